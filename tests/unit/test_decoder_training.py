@@ -1,0 +1,144 @@
+"""Training, inference and evaluation on the tiny target: the inference path agrees with the
+teacher-forced training path, decoding is lossless with random and trained drafters, a
+trained drafter is accepted, and offline training resumes mid-epoch bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark import evaluate, train_offline
+from dspark.checkpoint import load_drafter
+from dspark.decoder import SpeculativeDecoder, target_generate
+from dspark.model import ContextCache
+from dspark.samples import PackedBatch, Sample, write_sample
+from dspark.scheduler import StepRateTable
+from dspark.targets import hidden_states_for, load_target, render_prompt, render_with_loss_mask
+from tests.helpers import make_drafter
+
+PROMPTS = [f"Tell me about item number {i} and why it matters." for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_target(tiny_target, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tiny_target, target, tmp_path_factory):
+    """Conversations answered by the tiny target itself, with its hidden states."""
+    model, tok = target
+    out = tmp_path_factory.mktemp("samples")
+    layer_ids = make_drafter(tiny_target).config.extract_layer_ids
+    for i, p in enumerate(PROMPTS):
+        msgs = [{"role": "user", "content": p}]
+        answer = target_generate(model, render_prompt(tok, msgs), 40, {tok.eos_token_id})
+        msgs.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+        ids, mask = render_with_loss_mask(tok, msgs)
+        h = hidden_states_for(model, torch.tensor(ids), layer_ids)
+        write_sample(out / f"s{i:03d}.safetensors", Sample(torch.tensor(ids), torch.tensor(mask), h, layer_ids))
+    (out / "broken.safetensors").write_bytes(b"not a safetensors file")
+    return out
+
+
+def train_args(tiny_target, sample_dir, out, *extra):
+    return ["--target", str(tiny_target), "--data", str(sample_dir), "--out", str(out), "--num-layers", "1",
+            "--block-size", "4", "--markov-rank", "32", "--batch-tokens", "600", "--num-anchors", "16", "--lr", "3e-3",
+            "--heldout-fraction", "0.1", "--checkpoint-every", "1000", "--threads", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, sample_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert train_offline.main(train_args(tiny_target, sample_dir, out, "--max-steps", "80")) == 0
+    return out
+
+
+def test_inference_matches_teacher_forcing(tiny_target, target):
+    """propose() (Markov-sequential, greedy) equals the training forward fed its own drafts."""
+    model, tok = target
+    drafter = make_drafter(tiny_target, num_layers=2, block_size=4, markov_rank=16, seed=7)
+    cfg = drafter.config
+    ids = render_prompt(tok, [{"role": "user", "content": "hello there"}])
+    hidden = hidden_states_for(model, torch.tensor(ids), cfg.extract_layer_ids)
+    n_aux = len(cfg.aux_layer_ids)
+    ctx = ContextCache(drafter)
+    ctx.extend(hidden[:-1, :n_aux].reshape(len(ids) - 1, -1))
+    prop = drafter.propose(ctx, ids[-1])
+    seq = torch.tensor(ids + prop.tokens.tolist())
+    t = seq.numel()
+    aux = torch.zeros(t, n_aux * cfg.hidden_size)
+    aux[: len(ids) - 1] = hidden[:-1, :n_aux].reshape(len(ids) - 1, -1)
+    batch = PackedBatch(seq, torch.arange(t), torch.zeros(t, dtype=torch.long), torch.ones(t, dtype=torch.bool),
+                        aux, torch.zeros(t, cfg.hidden_size))
+    out = drafter(batch, torch.tensor([len(ids) - 1]))
+    assert out.logits[0].argmax(-1).tolist() == prop.tokens.tolist()
+    torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0]), prop.confidence, atol=1e-5, rtol=1e-5)
+
+
+def test_lossless_with_random_drafter(tiny_target, target):
+    model, tok = target
+    drafter = make_drafter(tiny_target, block_size=8)
+    for p in PROMPTS[:4]:
+        ids = render_prompt(tok, [{"role": "user", "content": p + " (held out)"}])
+        ref = target_generate(model, ids, 48, {tok.eos_token_id})
+        out, stats = SpeculativeDecoder(model, drafter).generate(ids, 48, {tok.eos_token_id})
+        assert out == ref
+        assert stats.steps > 0
+
+
+def test_trained_drafter_is_lossless_and_accepted(tiny_target, target, trained):
+    model, tok = target
+    drafter = load_drafter(trained / "final", tiny_target).eval()
+    summary = json.loads((trained / "summary.json").read_text())
+    assert [p.rsplit("/", 1)[-1] for p in summary["corrupt_samples"]] == ["broken.safetensors"]
+    assert drafter.config.confidence_temperatures is not None
+    taus = []
+    for p in ["Tell me about item number 7 and why it matters.", "Tell me about number 99 and why it matters."]:
+        ids = render_prompt(tok, [{"role": "user", "content": p}])
+        ref = target_generate(model, ids, 40, {tok.eos_token_id})
+        for method, kwargs in [("greedy", {}), ("scheduled", {"step_rates": StepRateTable.flat()})]:
+            out, stats = SpeculativeDecoder(model, drafter, **kwargs).generate(ids, 40, {tok.eos_token_id})
+            assert out == ref, method
+            taus.append(stats.tau)
+    assert min(taus) > 1.3  # the untrained drafter sits at ~1.0
+
+
+def test_sampling_decoders_run(tiny_target, target, trained):
+    model, tok = target
+    drafter = load_drafter(trained / "final", tiny_target).eval()
+    ids = render_prompt(tok, [{"role": "user", "content": PROMPTS[3]}])
+    for rej in ("standard", "block"):
+        out, stats = SpeculativeDecoder(model, drafter, "probabilistic", rej, temperature=0.7, seed=1).generate(ids, 30, {2})
+        assert 0 < len(out) <= 30 and stats.tau >= 1.0
+
+
+def test_resume_mid_epoch_is_exact(tiny_target, sample_dir, tmp_path):
+    straight, interrupted = tmp_path / "a", tmp_path / "b"
+    assert train_offline.main(train_args(tiny_target, sample_dir, straight, "--max-steps", "12")) == 0
+    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "12", "--stop-at-step", "5")) == 0
+    assert not (interrupted / "final").exists()
+    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "12", "--resume")) == 0
+    a = load_drafter(straight / "final", tiny_target).trainable_state_dict()
+    b = load_drafter(interrupted / "final", tiny_target).trainable_state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [json.loads(x)["step"] for x in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
+def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about item number 3 and why it matters."}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Tell me about number 12."}]}) + "\n")
+    out = tmp_path / "r.json"
+    rc = evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--prompts", str(prompts),
+                        "--max-new-tokens", "24", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["lossless"] is True and r["num_prompts"] == 2
+    for key in ("tau", "per_position_acceptance", "generated_tokens", "target_only_tokens_per_s", "speculative_tokens_per_s"):
+        assert key in r
+    assert len(r["per_position_acceptance"]) == 4 and r["tau"] >= 1.0
+    assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])

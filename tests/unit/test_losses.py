@@ -1,0 +1,106 @@
+"""The loss against a slot-by-slot re-computation written independently with plain loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.losses import LossWeights, drafter_loss, expected_calibration_error, position_weights
+from dspark.model import BlockOutputs
+
+
+def naive_loss(out: BlockOutputs, shift: int, w: LossWeights, d2t_ids):
+    n, g, _ = out.logits.shape
+    terms = {"ce": [0.0, 0], "l1": [0.0, 0], "bce": [0.0, 0]}
+    draft_targets = d2t_ids.tolist() if d2t_ids is not None else None
+    for b in range(n):
+        for k in range(g):
+            if not out.valid[b, k]:
+                continue
+            j = k - (1 - shift)
+            weight = math.exp(-j / w.decay)
+            q = torch.softmax(out.logits[b, k].double(), -1)
+            p = torch.softmax(out.target_logits[b, k].double(), -1)
+            true = int(out.target_ids[b, k])
+            if draft_targets is None:
+                l1 = float((q - p).abs().sum())
+                di = true
+            else:
+                full_q = torch.zeros_like(p)
+                full_q[d2t_ids] = q
+                l1 = float((full_q - p).abs().sum())
+                di = draft_targets.index(true) if true in draft_targets else None
+            if di is not None:
+                terms["ce"][0] += weight * -math.log(float(q[di]))
+                terms["ce"][1] += 1
+            terms["l1"][0] += weight * l1
+            terms["l1"][1] += 1
+            c_star = 1 - 0.5 * l1
+            c = 1 / (1 + math.exp(-float(out.confidence_logits[b, k])))
+            terms["bce"][0] += weight * -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
+            terms["bce"][1] += 1
+    mean = {k: s / max(cnt, 1) for k, (s, cnt) in terms.items()}
+    return w.ce * mean["ce"] + w.l1 * mean["l1"] + w.confidence * mean["bce"], mean
+
+
+def random_outputs(n=5, g=4, vd=50, v=80, seed=0, reduced=False):
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.rand(n, g, generator=gen) > 0.2
+    ids = torch.randint(0, v, (n, g), generator=gen)
+    return BlockOutputs(
+        logits=torch.randn(n, g, vd if reduced else v, generator=gen) * 2,
+        confidence_logits=torch.randn(n, g, generator=gen),
+        target_logits=torch.randn(n, g, v, generator=gen) * 2,
+        target_ids=ids, valid=valid, hidden=torch.zeros(n, g, 3),
+    )
+
+
+@pytest.mark.parametrize("shift", [1, 0])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_loss_matches_naive(shift, reduced):
+    out = random_outputs(reduced=reduced, seed=shift + 2 * reduced)
+    if shift == 0:
+        out.valid[:, 0] = False
+    w = LossWeights(ce=0.1, l1=0.9, confidence=1.0, decay=4.0)
+    d2t_ids = t2d = None
+    if reduced:
+        d2t_ids = torch.sort(torch.randperm(80, generator=torch.Generator().manual_seed(5))[:50]).values
+        t2d = torch.zeros(80, dtype=torch.bool)
+        t2d[d2t_ids] = True
+    loss, metrics = drafter_loss(out, 4, shift, w, d2t_ids, t2d)
+    ref, parts = naive_loss(out, shift, w, d2t_ids)
+    assert float(loss) == pytest.approx(ref, rel=1e-5)
+    assert metrics["l1"] == pytest.approx(parts["l1"], rel=1e-5)
+
+
+def test_position_weights_closed_form():
+    assert position_weights(4, 1, 4.0).tolist() == pytest.approx([1, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)])
+    assert position_weights(4, 0, 2.0).tolist() == pytest.approx([0, 1, math.exp(-0.5), math.exp(-1.0)])
+
+
+def test_c_star_is_rejection_sampling_acceptance():
+    """1 − ½‖q − p‖₁ equals Σ min(p, q), the acceptance probability of standard verification."""
+    out = random_outputs(n=1, g=1, seed=9)
+    out.valid[:] = True
+    q = torch.softmax(out.logits[0, 0], -1)
+    p = torch.softmax(out.target_logits[0, 0], -1)
+    _, m = drafter_loss(out, 1, 1, LossWeights())
+    assert m["accept_pos0"] == pytest.approx(float(torch.minimum(p, q).sum()), rel=1e-5)
+
+
+def test_loss_gradients_reach_trainable_heads():
+    out = random_outputs(seed=4)
+    out.logits.requires_grad_(True)
+    out.confidence_logits.requires_grad_(True)
+    loss, _ = drafter_loss(out, 4, 1, LossWeights())
+    loss.backward()
+    assert out.logits.grad.abs().sum() > 0 and out.confidence_logits.grad.abs().sum() > 0
+
+
+def test_expected_calibration_error():
+    pred = torch.tensor([0.1, 0.1, 0.9, 0.9])
+    assert float(expected_calibration_error(pred, torch.tensor([0.1, 0.1, 0.9, 0.9]))) == pytest.approx(0.0)
+    # Two bins, each off by 0.4 → ECE 0.4
+    assert float(expected_calibration_error(pred, torch.tensor([0.5, 0.5, 0.5, 0.5]))) == pytest.approx(0.4)
