@@ -47,12 +47,29 @@ def atomic_directory(dest: str | Path):
         raise
 
 
-def save_drafter(model: DSparkDrafter, dest: str | Path) -> Path:
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.trainable_state_dict().items()}
+def _write_checkpoint(dest: str | Path, config: DSparkConfig, tensors: dict[str, torch.Tensor]) -> Path:
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_directory(dest) as tmp:
-        (tmp / "config.json").write_text(json.dumps(model.config.to_speculators_dict(), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config.to_speculators_dict(), indent=2))
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt", "producer": FORMAT_VERSION})
     return Path(dest)
+
+
+def save_drafter(model: DSparkDrafter, dest: str | Path) -> Path:
+    return _write_checkpoint(dest, model.config, model.trainable_state_dict())
+
+
+def export_dflash_backbone(model: DSparkDrafter, dest: str | Path) -> Path:
+    """The DSpark backbone alone as a `dflash` checkpoint (no Markov or confidence head), keeping
+    `sample_from_anchor`. vLLM's `dflash` method runs on CPU where `dspark` does not, so this is
+    how a trained drafter's acceptance is checked against a real vLLM engine on a CPU box."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg.mode, cfg.markov_rank, cfg.enable_confidence_head, cfg.confidence_head_with_markov = "dflash", 0, False, False
+    cfg.confidence_temperatures = None
+    backbone = {k: v for k, v in model.trainable_state_dict().items() if not k.startswith(("markov_head.", "confidence_head."))}
+    return _write_checkpoint(dest, cfg, backbone)
 
 
 def load_drafter(

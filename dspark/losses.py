@@ -88,6 +88,8 @@ def drafter_loss(
     q = logq.exp()
     with torch.no_grad():
         p_draft_vocab, outside = target_probs_on_draft_vocab(out.target_logits, d2t_ids)
+        if out.target_index is not None:  # per distinct position → per slot (draft-vocab width only)
+            p_draft_vocab, outside = p_draft_vocab[out.target_index], outside[out.target_index]
     l1 = (q - p_draft_vocab).abs().sum(-1) + outside  # [N, γ]
 
     tgt_d = target_draft_ids(out.target_ids, t2d)

@@ -34,10 +34,15 @@ FROZEN_TARGET_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_l
 class BlockOutputs:
     logits: torch.Tensor  # [N, γ, V_draft], Markov bias included
     confidence_logits: torch.Tensor | None  # [N, γ]
-    target_logits: torch.Tensor  # [N, γ, V_target], the frozen target's own prediction
+    target_logits: torch.Tensor  # [U, V_target], the frozen target's prediction at U distinct positions
     target_ids: torch.Tensor  # [N, γ] ground-truth next tokens (target vocab)
     valid: torch.Tensor  # [N, γ] bool: slot predicts a loss-masked token
     hidden: torch.Tensor  # [N, γ, H]
+    target_index: torch.Tensor | None = None  # [N, γ] row of `target_logits` for each slot
+
+    def slot_target_logits(self) -> torch.Tensor:
+        """[N, γ, V_target]; materialises the per-slot copy (tests and small batches only)."""
+        return self.target_logits if self.target_index is None else self.target_logits[self.target_index]
 
 
 @dataclass
@@ -196,7 +201,6 @@ class DSparkDrafter(nn.Module):
         self.fc.weight.zero_()
         self.fc.weight[:, deepest * h : (deepest + 1) * h].copy_(torch.eye(h))
         self.hidden_norm.weight.copy_(t[src[0]]["input_layernorm.weight"])
-        self.norm.weight.copy_(self.verifier_norm.weight)
         return src
 
     @torch.no_grad()
@@ -274,14 +278,17 @@ class DSparkDrafter(nn.Module):
         prev_idx = torch.maximum(tgt_c - 1, anchors[:, None])
         prev_ids = batch.input_ids[prev_idx]
         with torch.no_grad():
-            target_logits = self.verifier_logits(batch.last_hidden[prev_idx])
+            # Overlapping blocks share target positions: the full-vocab target head (the most
+            # expensive product here) runs once per distinct position, not once per slot.
+            positions, target_index = torch.unique(prev_idx, return_inverse=True)
+            target_logits = self.verifier_logits(batch.last_hidden[positions])
 
         prev_emb = None
         if self.markov_head is not None:
             prev_emb = self.markov_head.embed(prev_ids)
             logits = logits + self.markov_head.block_bias(prev_emb, hidden).to(logits.dtype)
         conf = self.confidence_logits(hidden, prev_emb) if self.confidence_head is not None else None
-        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden)
+        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden, target_index)
 
     def sample_anchors(self, batch: PackedBatch, num_anchors: int, generator=None) -> torch.Tensor:
         return sample_anchors(

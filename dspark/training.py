@@ -114,6 +114,8 @@ def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], n
         out = model(batch, anchors)
         q = torch.softmax(out.logits.float(), -1)
         p, _ = target_probs_on_draft_vocab(out.target_logits, d2t_ids)
+        if out.target_index is not None:
+            p = p[out.target_index]
         accept = torch.minimum(q, p).sum(-1)  # = c* = 1 − ½‖q − p‖₁ over the full target vocab
         logits.append(out.confidence_logits[:, slots].float())
         labels.append(accept[:, slots])

@@ -64,7 +64,8 @@ def test_our_checkpoint_in_speculators(case, tiny_target, tmp_path, monkeypatch)
     hidden, logits, targets, conf = reference_outputs(sm, batch, anchors, monkeypatch)
     torch.testing.assert_close(out.hidden, hidden, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.logits, logits, atol=1e-4, rtol=1e-4)
-    tl = out.target_logits[..., ours.draft_to_target_ids()] if ours.use_draft_vocab else out.target_logits
+    tl = out.slot_target_logits()
+    tl = tl[..., ours.draft_to_target_ids()] if ours.use_draft_vocab else tl
     if not ours.config.sample_from_anchor:  # speculators rolls targets for DFlash; slot 0 is unused there
         tl, targets = tl[:, 1:], targets[:, 1:]
     torch.testing.assert_close(tl, targets, atol=1e-4, rtol=1e-4)

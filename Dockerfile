@@ -1,0 +1,21 @@
+# Cluster node image: vLLM's CUDA image + the RDMA user-space stack Mooncake needs + this project.
+FROM vllm/vllm-openai:latest
+
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        libibverbs1 ibverbs-providers librdmacm1 rdma-core libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/dspark-cluster
+COPY pyproject.toml README.md ./
+COPY dspark ./dspark
+COPY cluster ./cluster
+COPY jobs ./jobs
+COPY configs ./configs
+COPY data ./data
+# The `gpu` extra: the CUDA vLLM already in the image and the CUDA Mooncake wheel.
+RUN DS_BUILD_OPS=0 pip install --no-cache-dir -e ".[gpu]"
+
+ENV RAY_AUTH_MODE=disabled \
+    PYTHONUNBUFFERED=1
+ENTRYPOINT []
+CMD ["bash"]

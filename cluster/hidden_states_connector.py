@@ -1,0 +1,210 @@
+"""`MooncakeHiddenStatesConnector`: a vLLM KV connector that writes each finished request's
+hidden states, token ids and loss mask straight into the Mooncake store (no disk).
+
+Loaded by vLLM through `kv_connector_module_path="cluster.hidden_states_connector"` together
+with the `extract_hidden_states` speculative method, which caches the chosen layers' states
+per token in a KV-cache-shaped buffer. When a request finishes, the scheduler side of this
+connector plans a save (key, token ids, loss mask) and the worker side copies the request's
+rows out of that buffer and puts them into the store:
+- on CPU synchronously (no CUDA streams or pinned memory there);
+- on GPU with an asynchronous device→host copy on a side stream, the put running in a
+  thread pool once the copy's event fires (the forward pass is not blocked).
+Only tensor-parallel rank 0 writes. The request's `kv_transfer_params` carry our inputs
+(`{"dspark": {"key": ..., "assistant_spans": [[start, end), ...]}}`) and come back with the
+`SampleRef` fields (key, shapes) for the caller to hand to the ledger.
+
+Backends: `mooncake` (default) and `file`, which writes vLLM's on-disk format
+(`hidden_states`, `token_ids`) plus our `loss_mask` as one safetensors file per request, for
+building offline datasets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    extract_from_kv_cache,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+
+from cluster.store import HiddenStateStore, StoreFull
+from dspark.samples import Sample, write_sample
+
+logger = init_logger(__name__)
+PARAMS_KEY = "dspark"
+
+
+def loss_mask_for(num_tokens: int, prompt_len: int, assistant_spans: list) -> torch.Tensor:
+    """Earlier assistant turns inside the prompt, plus every generated token."""
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    for start, end in assistant_spans:
+        mask[start:min(end, num_tokens)] = True
+    mask[prompt_len:] = True
+    return mask
+
+
+@dataclass
+class PlannedSave:
+    req_id: str
+    key: str
+    token_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    block_ids: list[int]
+
+
+@dataclass
+class StoreSaveMetadata(KVConnectorMetadata):
+    saves: list[PlannedSave] = field(default_factory=list)
+
+
+class _Done:
+    """Stands in for a CUDA event when the copy already happened synchronously."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.backend = extra.get("backend", "mooncake")
+        if self.backend not in ("mooncake", "file"):
+            raise ValueError(f"unknown hidden-state backend {self.backend!r} (mooncake | file)")
+        self.key_prefix = extra.get("key_prefix", "dspark")
+        self.store_config = extra.get("store", {})
+        self.put_retry_s = float(extra.get("put_retry_s", 600.0))
+        self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
+        self.layer_ids = list(getattr(
+            vllm_config.speculative_config.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []
+        ))
+        self.use_lock = False  # nobody polls a lock file: the key arrives with the request output
+        self._planned: dict[str, PlannedSave] = {}
+        self._keys: dict[str, str] = {}
+        self._store: HiddenStateStore | None = None
+
+    # ---- scheduler side -----------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = StoreSaveMetadata(saves=list(self._planned.values()))
+        self._planned.clear()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            params = self._params(new_req.sampling_params)
+            self._keys[new_req.req_id] = params.get("key") or f"{self.key_prefix}/{new_req.req_id}"
+        return meta
+
+    @staticmethod
+    def _params(sampling_params) -> dict:
+        extra = (sampling_params.extra_args or {}) if sampling_params is not None else {}
+        return (extra.get("kv_transfer_params") or {}).get(PARAMS_KEY, {})
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        key = self._keys.pop(request.request_id, None)
+        if key is None:  # aborted before it was ever scheduled: nothing cached, nothing to save
+            return False, None
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY, {})
+        # The last token was sampled, never fed back: it has no hidden state.
+        token_ids = torch.tensor(list(request.all_token_ids)[:-1], dtype=torch.long)
+        prompt_len = len(request.prompt_token_ids or [])
+        mask = loss_mask_for(token_ids.numel(), prompt_len, params.get("assistant_spans", []))
+        self._planned[request.request_id] = PlannedSave(request.request_id, key, token_ids, mask, list(block_ids))
+        return True, {
+            PARAMS_KEY: {
+                "key": key, "num_tokens": int(token_ids.numel()), "layer_ids": self.layer_ids,
+                "hidden_size": self._vllm_config.model_config.get_hidden_size(), "prompt_len": prompt_len,
+                "backend": self.backend,
+                "path": str(self._file_path(key)) if self.backend == "file" else None,
+            }
+        }
+
+    def _file_path(self, key: str) -> Path:
+        return self.out_dir / f"{key.replace('/', '_')}.safetensors"
+
+    # ---- worker side --------------------------------------------------------------------
+    def wait_for_save(self) -> None:
+        pass  # no lock files to pre-create
+
+    def get_finished(self, finished_req_ids: set[str]):
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, StoreSaveMetadata):
+                for save in meta.saves:
+                    self._save(save)
+        return self._report_finished(finished_req_ids)
+
+    def _report_finished(self, finished_req_ids):
+        # The parent's bookkeeping: a request is done sending once its copy event completed.
+        self._accumulated_finished_req_ids.update(finished_req_ids)
+        done = set()
+        for req_id in list(self._accumulated_finished_req_ids):
+            event = self._req_copy_events.get(req_id)
+            if event is not None and not event.query():
+                continue
+            self._req_copy_events.pop(req_id, None)
+            self._accumulated_finished_req_ids.discard(req_id)
+            if event is not None:
+                done.add(req_id)
+        return done or None, None
+
+    def store(self) -> HiddenStateStore:
+        if self._store is None:
+            self._store = HiddenStateStore(self.store_config).connect()
+        return self._store
+
+    def _save(self, save: PlannedSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        n = save.token_ids.numel()
+        blocks = torch.tensor(save.block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None, :]).flatten()
+        kv = self._kv_cache
+        if kv.device.type == "cpu":
+            hidden = extract_from_kv_cache(kv, slots, n)  # advanced indexing: already a copy
+            self._write(save, hidden)
+            self._req_copy_events[save.req_id] = _Done()
+            return
+        stream = self._get_copy_stream()
+        ready = torch.cuda.Event()
+        ready.record()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            on_device = extract_from_kv_cache(kv, slots.to(kv.device, non_blocking=True), n)
+            host = torch.empty_like(on_device, device="cpu", pin_memory=True)
+            host.copy_(on_device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self._req_copy_events[save.req_id] = copied
+
+        def finish() -> None:
+            copied.synchronize()
+            self._write(save, host)
+
+        future = self._executor.submit(finish)
+        future.add_done_callback(lambda f, rid=save.req_id: f.exception() and logger.error(
+            "hidden-state put failed for %s: %r", rid, f.exception()))
+
+    def _write(self, save: PlannedSave, hidden: torch.Tensor) -> None:
+        sample = Sample(save.token_ids, save.loss_mask, hidden, self.layer_ids)
+        if self.backend == "file":
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            write_sample(self._file_path(save.key), sample)
+            return
+        # A full store is backpressure: wait for consumers to free space, never drop the sample.
+        deadline = time.monotonic() + self.put_retry_s
+        while True:
+            try:
+                self.store().put_sample(save.key, sample)
+                return
+            except StoreFull:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+__all__ = ["MooncakeHiddenStatesConnector", "loss_mask_for"]

@@ -1,0 +1,176 @@
+"""Placement: one placement group per inference replica, one per trainer node.
+
+Why bundles are sorted by node: a TP-8 replica spanning two 4-GPU nodes is one placement
+group of eight 1-GPU bundles (vLLM starts one worker per bundle). Ray's PACK strategy keeps
+the bundles on as few nodes as it can, but it does not keep *consecutive* bundle indices on
+the same node: bundles 0,1,4,5 may land on node A and 2,3,6,7 on node B. vLLM gives TP ranks
+to bundles in index order, so tensor-parallel neighbours would talk across the network. After
+the group is placed we read where each bundle went and hand vLLM the indices sorted by node
+(`VLLM_RAY_BUNDLE_INDICES`), so ranks 0-3 share one node's NVLink and 4-7 the other's.
+
+Before any group is created, `check_topology` compares what the config needs with what the
+cluster has and names the missing resource; a group that still cannot be placed in time
+fails with the group's name and shape instead of pending forever.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from cluster.config import JobConfig
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+@dataclass
+class RoleSpec:
+    group: str
+    role: str  # inference | trainer
+    index: int  # replica index, or trainer node index
+    bundles: list[dict]
+    strategy: str
+    nodes: int  # how many nodes the bundles must span
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}/{self.role}{self.index}"
+
+
+@dataclass
+class Placed:
+    spec: RoleSpec
+    pg: object
+    bundle_nodes: list[str]  # node id per bundle index
+    node_ips: dict[str, str]
+    order: list[int] = field(default_factory=list)  # bundle indices sorted by node
+
+    def rows(self) -> list[tuple[str, str, str, int]]:
+        """(role, node ip, device, bundle index) in rank order."""
+        per_node = Counter()
+        out = []
+        gpu = any(b.get("GPU") for b in self.spec.bundles)
+        for b in self.order:
+            node = self.bundle_nodes[b]
+            slot = per_node[node]
+            per_node[node] += 1
+            label = f"{self.node_ips.get(node, '?')}/{node[:6]}"  # fake nodes share an IP
+            out.append((self.spec.name, label, f"GPU{slot}" if gpu else f"CPU{slot}", b))
+        return out
+
+
+def role_specs(cfg: JobConfig, group_index: int | None = None) -> list[RoleSpec]:
+    specs = []
+    for gi, g in enumerate(cfg.topology.groups):
+        if group_index is not None and gi != group_index:
+            continue
+        t = cfg.target
+        if g.gpus_per_node > 0:
+            per_replica = [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(g.gpus_per_node * t.nodes_per_replica)]
+            trainer = [{"GPU": 1.0, "CPU": g.cpus_per_trainer_rank} for _ in range(g.trainer_ranks_per_node)]
+        else:
+            per_replica = [{"CPU": g.cpus_per_replica}]
+            trainer = [{"CPU": g.cpus_per_trainer_rank} for _ in range(g.trainer_ranks_per_node)]
+        for r in range(g.inference_replicas):
+            specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1))
+        for n in range(g.trainer_nodes):
+            specs.append(RoleSpec(g.name, "trainer", n, trainer, "STRICT_PACK", 1))
+    return specs
+
+
+def check_topology(cfg: JobConfig, nodes: list[dict]) -> None:
+    """Fail early, naming the resource, when the cluster cannot hold the topology.
+
+    `nodes` is `ray.nodes()` (alive ones count).
+    """
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
+    gpus = sorted((n["Resources"].get("GPU", 0) for n in alive), reverse=True)
+    cpus = sum(n["Resources"].get("CPU", 0) for n in alive)
+    need_gpu = need_cpu = 0.0
+    for s in role_specs(cfg):
+        need_gpu += sum(b.get("GPU", 0) for b in s.bundles)
+        need_cpu += sum(b.get("CPU", 0) for b in s.bundles)
+    for g in cfg.topology.groups:
+        if g.gpus_per_node and (not gpus or gpus[0] < g.gpus_per_node):
+            raise PlacementError(
+                f"group {g.name} needs nodes with {g.gpus_per_node} GPUs; the largest node has {gpus[0] if gpus else 0}"
+            )
+    if need_gpu > sum(gpus):
+        raise PlacementError(f"topology needs {need_gpu:g} GPUs, the cluster has {sum(gpus):g} (missing {need_gpu - sum(gpus):g} GPU)")
+    if need_gpu:
+        nodes_needed = sum(
+            g.inference_replicas * cfg.target.nodes_per_replica + g.trainer_nodes for g in cfg.topology.groups if g.gpus_per_node
+        )
+        full_nodes = sum(1 for x in gpus if x >= max(g.gpus_per_node for g in cfg.topology.groups))
+        if nodes_needed > full_nodes:
+            raise PlacementError(f"topology needs {nodes_needed} GPU nodes, the cluster has {full_nodes} (missing {nodes_needed - full_nodes} node)")
+    if need_cpu > cpus:
+        raise PlacementError(f"topology needs {need_cpu:g} CPUs, the cluster has {cpus:g} (missing {need_cpu - cpus:g} CPU)")
+
+
+def sort_bundles_by_node(bundle_nodes: list[str]) -> list[int]:
+    """Bundle indices grouped by node (nodes in order of their lowest index, so rank 0's node
+    comes first), ascending within a node: the rank order to give vLLM."""
+    by_node = defaultdict(list)
+    for i, node in enumerate(bundle_nodes):
+        by_node[node].append(i)
+    return [i for node in sorted(by_node, key=lambda n: min(by_node[n])) for i in sorted(by_node[node])]
+
+
+def place(spec: RoleSpec, timeout_s: float) -> Placed:
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    pg = placement_group(spec.bundles, strategy=spec.strategy, name=spec.name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        free = ray.available_resources()
+        shape = Counter(tuple(sorted(b.items())) for b in spec.bundles)
+        raise PlacementError(
+            f"placement group {spec.name} ({', '.join(f'{n}x{dict(k)}' for k, n in shape.items())}, {spec.strategy}) "
+            f"not placed within {timeout_s:.0f}s; free now: GPU={free.get('GPU', 0):g} CPU={free.get('CPU', 0):g}"
+        )
+    table = placement_group_table(pg)
+    bundle_nodes = [table["bundles_to_node_id"][i] for i in range(len(spec.bundles))]
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    order = sort_bundles_by_node(bundle_nodes)
+    counts = sorted(Counter(bundle_nodes).values())
+    if len(counts) > spec.nodes or counts[0] != counts[-1]:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"{spec.name}: {len(spec.bundles)} bundles landed {counts} per node; expected {spec.nodes} node(s) "
+            f"with {len(spec.bundles) // spec.nodes} each (are other jobs holding part of a node?)"
+        )
+    return Placed(spec, pg, bundle_nodes, ips, order)
+
+
+def place_all(cfg: JobConfig) -> list[Placed]:
+    import ray
+
+    check_topology(cfg, ray.nodes())
+    placed = []
+    try:
+        for s in role_specs(cfg):
+            placed.append(place(s, cfg.topology.placement_timeout_s))
+    except PlacementError:
+        release(placed)
+        raise
+    return placed
+
+
+def release(placed: list[Placed]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for p in placed:
+        remove_placement_group(p.pg)
+
+
+def describe(placed: list[Placed]) -> str:
+    lines = [f"{'role':22} {'node':24} {'device':7} bundle"]
+    for p in placed:
+        for role, node, dev, b in p.rows():
+            lines.append(f"{role:22} {node:24} {dev:7} {b}")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""The pull loop every sample producer runs (vLLM replicas and the replay backend): ask the
+group's ledger for prompts, produce their samples into the store, report, repeat until
+stopped. The ledger answering with nothing is backpressure (or the end): the loop idles."""
+
+from __future__ import annotations
+
+import time
+
+
+class Producer:
+    replica_id: str = "r0"
+
+    def __init__(self) -> None:
+        self._stopping = False
+        self.totals = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "failed": 0}
+
+    def produce(self, prompts: list[dict]) -> list[dict]:
+        """One report per prompt: {"uid", "ref", "tokens", "nbytes"} or {"uid", "error"}."""
+        raise NotImplementedError
+
+    def serve(self, ledger, batch_size: int, idle_s: float = 0.2) -> dict:
+        import ray
+
+        self._stopping = False
+        while not self._stopping:
+            prompts = ray.get(ledger.request_prompts.remote(self.replica_id, batch_size))
+            if not prompts:
+                time.sleep(idle_s)
+                continue
+            ray.get(ledger.report_produced.remote(self.replica_id, self.produce(prompts)))
+        return self.stats()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def ready(self) -> str:
+        return self.replica_id
+
+    def stats(self) -> dict:
+        t = dict(self.totals)
+        secs = max(t["seconds"], 1e-9)
+        t["generated_tokens_per_s"] = t["generated_tokens"] / secs
+        t["tokens_per_s"] = (t["prompt_tokens"] + t["generated_tokens"]) / secs
+        t["samples_per_s"] = t["prompts"] / secs
+        t["replica_id"] = self.replica_id
+        return t

@@ -1,0 +1,84 @@
+"""`ReplayActor`: an inference replica that replays stored samples instead of running a target.
+
+It speaks the same protocol as `InferenceActor` (`serve(ledger, batch)`, `stop`, `stats`) and
+puts real samples (the file format) into the real store, at a configurable rate. Scaling,
+backpressure and recovery can then be tested and benchmarked on a small machine without
+running the target model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.producer import Producer
+from cluster.store import HiddenStateStore, SampleRef, StoreConfig, StoreFull
+
+
+@dataclass
+class ReplaySettings:
+    sample_dir: str
+    store: dict = field(default_factory=dict)
+    samples_per_s: float = 0.0  # 0: as fast as the store takes them
+    put_retry_s: float = 300.0
+
+
+class ReplayActor(Producer):
+    def __init__(self, settings: ReplaySettings | dict, replica_id: str = "replay0") -> None:
+        from dspark.samples import read_sample
+
+        super().__init__()
+        self.s = settings if isinstance(settings, ReplaySettings) else ReplaySettings(**settings)
+        self.replica_id = replica_id
+        files = sorted(Path(self.s.sample_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no samples to replay in {self.s.sample_dir}")
+        self.samples = [read_sample(f) for f in files]
+        self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()
+        self.rate = self.s.samples_per_s
+        self.totals["full_waits"] = 0
+
+    def set_rate(self, samples_per_s: float) -> None:
+        self.rate = samples_per_s
+
+    def reconnect_store(self) -> None:
+        self.store.reconnect()
+
+    def _sample_for(self, prompt_id: str):
+        h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:4], "big")
+        return self.samples[h % len(self.samples)]
+
+    def _put(self, key: str, sample) -> None:
+        """A full store is backpressure: wait, never drop."""
+        deadline = time.monotonic() + self.s.put_retry_s
+        while True:
+            try:
+                self.store.put_sample(key, sample)
+                return
+            except StoreFull:
+                self.totals["full_waits"] += 1
+                if time.monotonic() > deadline or self._stopping:
+                    raise
+                time.sleep(0.05)
+
+    def produce(self, prompts: list[dict]) -> list[dict]:
+        t0 = time.perf_counter()
+        reports = []
+        for p in prompts:
+            sample = self._sample_for(p["id"])
+            try:
+                self._put(p["key"], sample)
+            except Exception as e:  # noqa: BLE001 - reported to the ledger, which retries
+                reports.append({"uid": p["uid"], "error": f"put: {e}"})
+                self.totals["failed"] += 1
+                continue
+            ref = SampleRef.for_sample(p["key"], sample)
+            reports.append({"uid": p["uid"], "ref": ref.to_dict(), "tokens": ref.num_tokens, "nbytes": ref.nbytes})
+            self.totals["prompts"] += 1
+            self.totals["generated_tokens"] += ref.num_tokens
+            if self.rate > 0:
+                time.sleep(1.0 / self.rate)
+        self.totals["seconds"] += time.perf_counter() - t0
+        return reports

@@ -1,0 +1,272 @@
+"""`HiddenStateStore`: put/get/remove of whole training samples in the Mooncake store.
+
+One sample is one object under the key `run/group/sample`: its hidden states, token ids and
+loss mask, each section 64-byte aligned, in that order. Only the key and the shapes
+(`SampleRef`) travel through Ray; the bytes move between store clients directly (TCP locally,
+RDMA on clusters). Reads land in a registered buffer (zero copy on RDMA).
+
+Mooncake reports failures as negative integers; this wrapper turns them into exceptions
+that say what happened. Known traps handled here: `setup` against a dead master hangs for
+~90 s (we probe the port first); a `put` of an existing key silently keeps the old value (we
+always upsert); a full segment fails at once with −200 (raised as `StoreFull`, which callers
+treat as backpressure, never as a drop).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dspark.samples import CorruptSampleError, Sample
+
+# Reported to avoid a crash in the local memcpy fast path on TCP-only hosts.
+os.environ.setdefault("MC_STORE_MEMCPY", "0")
+
+ALIGN = 64
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE (segment full)", -300: "INVALID_VERSION", -400: "INVALID_KEY",
+    -500: "WRITE_FAIL", -600: "INVALID_PARAMS (value larger than the client's local buffer?)", -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE", -701: "INVALID_READ", -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT", -1700: "TENANT_QUOTA_EXCEEDED",
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class StoreError(RuntimeError):
+    def __init__(self, op: str, code: int, key: str | None = None) -> None:
+        self.op, self.code, self.key = op, code, key
+        where = f" for key {key!r}" if key else ""
+        super().__init__(f"mooncake {op}{where} failed: {code} {ERROR_NAMES.get(code, 'UNKNOWN')}")
+
+    def __reduce__(self):  # crosses Ray actor boundaries intact
+        return type(self), (self.op, self.code, self.key)
+
+
+class StoreFull(StoreError):
+    """No room in the store's segments right now; retry after consumers free space."""
+
+
+class SampleMissing(StoreError):
+    """The key is not in the store (never written, removed, or lost with a restarted master)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The master does not answer."""
+
+
+def raise_for(op: str, code: int, key: str | None = None) -> None:
+    if code >= 0:
+        return
+    cls = {-200: StoreFull, -704: SampleMissing}.get(code, StoreError)
+    raise cls(op, code, key)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Everything a consumer needs to read a sample back, small enough to travel through Ray."""
+
+    key: str
+    num_tokens: int
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "bfloat16"
+
+    @property
+    def sections(self) -> tuple[int, int, int]:
+        """Byte sizes of hidden states, token ids (int32), loss mask (uint8)."""
+        t = self.num_tokens
+        item = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return t * len(self.layer_ids) * self.hidden_size * item, 4 * t, t
+
+    @property
+    def nbytes(self) -> int:
+        h, i, m = self.sections
+        return _aligned(h) + _aligned(i) + m
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SampleRef":
+        """From `to_dict()` output, ignoring extra fields (e.g. a file backend's path)."""
+        return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
+
+    @classmethod
+    def for_sample(cls, key: str, sample: Sample) -> "SampleRef":
+        dtype = next(k for k, v in DTYPES.items() if v == sample.hidden_states.dtype)
+        return cls(key, sample.num_tokens, tuple(sample.layer_ids), int(sample.hidden_states.shape[-1]), dtype)
+
+
+def sample_parts(sample: Sample) -> list:
+    """The object's byte sections (numpy views, no copy of the hidden states), padded to ALIGN."""
+    h = sample.hidden_states.contiguous().view(torch.uint8).reshape(-1)
+    ids = sample.token_ids.to(torch.int32).contiguous().view(torch.uint8)
+    mask = sample.loss_mask.to(torch.uint8).contiguous()
+    parts = []
+    for t, last in ((h, False), (ids, False), (mask, True)):
+        parts.append(t.numpy())
+        pad = _aligned(t.numel()) - t.numel()
+        if pad and not last:
+            parts.append(bytes(pad))
+    return parts
+
+
+def sample_from_buffer(ref: SampleRef, buf: torch.Tensor) -> Sample:
+    """Tensors viewing `buf` (uint8, at least `ref.nbytes`); copy them before reusing `buf`."""
+    h_n, i_n, m_n = ref.sections
+    t = ref.num_tokens
+    hidden = buf[:h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
+    o = _aligned(h_n)
+    ids = buf[o : o + i_n].view(torch.int32).long()
+    o += _aligned(i_n)
+    mask = buf[o : o + m_n].bool()
+    return Sample(ids, mask, hidden, list(ref.layer_ids))
+
+
+def probe(address: str, timeout: float = 2.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class StoreConfig:
+    master: str = "127.0.0.1:50051"  # host:port of mooncake_master's RPC
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"  # tcp | rdma
+    rdma_devices: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    # Memory this client lends to the distributed pool. Producers lend none, so a dead
+    # inference actor takes no stored samples with it; the trainer side hosts the segments.
+    segment_bytes: int = 0
+    buffer_bytes: int = 256 << 20  # client-local staging for puts of non-registered memory
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SampleRef":
+        """From `to_dict()` output, ignoring extra fields (e.g. a file backend's path)."""
+        return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
+
+
+class HiddenStateStore:
+    def __init__(self, config: StoreConfig | dict) -> None:
+        self.config = config if isinstance(config, StoreConfig) else StoreConfig(**config)
+        self._client = None
+        self._read_buf: torch.Tensor | None = None
+
+    # ---- connection ---------------------------------------------------------------------
+    def connect(self, timeout: float = 30.0) -> "HiddenStateStore":
+        """Probe the master, then set up; raises StoreUnavailable instead of hanging."""
+        from mooncake.store import MooncakeDistributedStore
+
+        cfg = self.config
+        deadline = time.monotonic() + timeout
+        while not probe(cfg.master):
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"mooncake master {cfg.master} does not answer (waited {timeout:.0f}s)")
+            time.sleep(0.2)
+        client = MooncakeDistributedStore()
+        rc = client.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
+                          cfg.protocol, cfg.rdma_devices, cfg.master)
+        if rc != 0:
+            raise StoreUnavailable(f"mooncake setup against {cfg.master} failed with {rc}")
+        self._client = client
+        self._read_buf = None
+        return self
+
+    def reconnect(self, timeout: float = 60.0) -> None:
+        """After a master restart: a new client (old registrations are gone with the old one)."""
+        self.close()
+        self.connect(timeout)
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            finally:
+                self._client = None
+                self._read_buf = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            raise StoreUnavailable("HiddenStateStore is not connected; call connect()")
+        return self._client
+
+    def healthy(self) -> bool:
+        return self._client is not None and self._client.health_check() == 0 and probe(self.config.master, 1.0)
+
+    # ---- samples ------------------------------------------------------------------------
+    def put_sample(self, key: str, sample: Sample) -> SampleRef:
+        ref = SampleRef.for_sample(key, sample)
+        raise_for("upsert", self.client.upsert_parts(key, *sample_parts(sample)), key)
+        return ref
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._read_buf is None or self._read_buf.numel() < nbytes:
+            if self._read_buf is not None:
+                self.client.unregister_buffer(self._read_buf.data_ptr())
+            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+            raise_for("register_buffer", self.client.register_buffer(buf.data_ptr(), buf.numel()))
+            self._read_buf = buf
+        return self._read_buf
+
+    def get_samples(self, refs: list[SampleRef]) -> list[Sample]:
+        """Read several samples with one batched transfer into the registered buffer.
+
+        The returned tensors are copies (the buffer is reused by the next read). A missing key
+        raises SampleMissing; a short read raises CorruptSampleError. Nothing is returned
+        partially.
+        """
+        if not refs:
+            return []
+        offsets, total = [], 0
+        for r in refs:
+            offsets.append(total)
+            total += _aligned(r.nbytes)
+        buf = self._buffer(total)
+        base = buf.data_ptr()
+        codes = self.client.batch_get_into([r.key for r in refs], [base + o for o in offsets], [r.nbytes for r in refs])
+        out = []
+        for r, o, rc in zip(refs, offsets, codes):
+            raise_for("get", rc, r.key)
+            if rc != r.nbytes:
+                raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
+            s = sample_from_buffer(r, buf[o : o + r.nbytes])
+            out.append(Sample(s.token_ids.clone(), s.loss_mask.clone(), s.hidden_states.clone(), s.layer_ids))
+        return out
+
+    def get_sample(self, ref: SampleRef) -> Sample:
+        return self.get_samples([ref])[0]
+
+    def remove(self, key: str) -> bool:
+        """True if removed, False if it was not there.
+
+        Forced: our callers remove only what is committed (or stale), and a recent read leaves
+        a lease on the object that would otherwise refuse the removal (−706)."""
+        rc = self.client.remove(key, True)
+        if rc == -704:
+            return False
+        raise_for("remove", rc, key)
+        return True
+
+    def exists(self, key: str) -> bool:
+        rc = self.client.is_exist(key)
+        raise_for("is_exist", rc, key)
+        return rc == 1
+

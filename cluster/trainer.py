@@ -1,0 +1,271 @@
+"""Trainer ranks: one DeepSpeed engine per data-parallel rank (gloo on CPU, NCCL on GPU).
+
+The driver leases one step's samples for all ranks from the ledger, then runs two phases:
+`fetch` (every rank reads its share from the Mooncake store; any key that is gone is reported
+and the lease released, so a step never trains on partial data) and `train_step` (forward,
+backward, optimizer step in lockstep). Checkpoints are collective: every rank writes its
+DeepSpeed shard into one temporary directory, rank 0 adds the speculators-format drafter and
+the ledger state and renames it into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class TrainerSettings:
+    target_path: str
+    drafter: dict  # DrafterConfig fields
+    trainer: dict  # TrainerConfig fields
+    store: dict  # StoreConfig fields
+    device: str = "cpu"
+    total_steps: int = 1000
+    aux_layer_ids: list[int] | None = None
+    torch_threads: int | None = None
+    extensions_dir: str | None = None
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(t: dict, world_size: int, device: str) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": t["grad_clip"],
+        "zero_optimization": {"stage": t["zero_stage"]},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if t["precision"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+class TrainerRank:
+    def __init__(self, rank: int, world_size: int, settings: TrainerSettings | dict) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.s = settings if isinstance(settings, TrainerSettings) else TrainerSettings(**settings)
+        if self.s.torch_threads:
+            torch.set_num_threads(self.s.torch_threads)
+        if self.s.extensions_dir:
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", self.s.extensions_dir)
+        self.engine = None
+        self.batch = None
+        self.store = None
+        self.fetched_step = None
+        self.data_wait_s = 0.0
+
+    def connect_store(self) -> None:
+        """Join the store, lending it this rank's share of the group's segment memory."""
+        from cluster.store import HiddenStateStore, StoreConfig
+
+        self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()
+
+    def remove_keys(self, keys: list[str]) -> int:
+        """Drop committed (or stale) samples from the store; Mooncake will not evict them."""
+        return sum(self.store.remove(k) for k in keys)
+
+    def vocab_mapping(self, rows: list[dict], prompt_texts: list[str] = ()) -> dict:
+        """Draft vocabulary before any training: the answers' tokens in the first stored samples
+        (weighted up: they are what the drafter predicts) plus the tokens of every training
+        prompt (cheap, and they cover the vocabulary the answers will draw on)."""
+        from transformers import AutoTokenizer
+
+        from cluster.store import SampleRef
+
+        samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+        cfg = self._config({})
+        tok = AutoTokenizer.from_pretrained(self.s.target_path)
+        pairs = [(s.token_ids, s.loss_mask) for s in samples] * 4
+        for text in prompt_texts:
+            ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+            pairs.append((ids, torch.ones_like(ids, dtype=torch.bool)))
+        return vocab_mapping_from(pairs, cfg.target_vocab_size, cfg.draft_vocab_size, [tok.eos_token_id])
+
+    def read_drafter(self, drafter_dir: str) -> dict:
+        """What `setup` needs to rebuild a checkpointed drafter: its config and vocab mapping."""
+        from safetensors.torch import load_file
+
+        d = Path(drafter_dir)
+        out = {"config": json.loads((d / "config.json").read_text())}
+        tensors = load_file(str(d / "model.safetensors"))
+        if "d2t" in tensors:
+            out.update(d2t=tensors["d2t"].tolist(), t2d=tensors["t2d"].tolist())
+        return out
+
+    def _config(self, model_init: dict):
+        from dspark.config import DSparkConfig
+
+        if "config" in model_init:
+            return DSparkConfig.from_speculators_dict(model_init["config"])
+        d = self.s.drafter
+        return DSparkConfig.from_target(
+            self.s.target_path, mode=d["mode"], num_layers=d["num_layers"], block_size=d["block_size"],
+            markov_rank=d["markov_rank"] if d["mode"] == "dspark" else 0, markov_head_type=d["markov_head_type"],
+            enable_confidence_head=d["enable_confidence_head"] if d["mode"] == "dspark" else False,
+            draft_vocab_size=d["draft_vocab_size"], aux_layer_ids=self.s.aux_layer_ids,
+            **({"mask_token_id": d["mask_token_id"]} if d.get("mask_token_id") is not None else {}),
+        )
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None) -> dict:
+        """Create the process group, the drafter and the engine; optionally resume."""
+        import deepspeed
+
+        from dspark.losses import LossWeights
+        from dspark.model import DSparkDrafter
+        from dspark.training import DrafterObjective, OptimConfig, build_optimizer
+
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        backend = "nccl" if self.s.device == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        d = self.s.drafter
+        cfg = self._config(model_init)
+        torch.manual_seed(self.s.trainer["seed"])  # identical initial weights on every rank
+        model = DSparkDrafter(cfg)
+        model.load_target_weights(self.s.target_path)
+        if model.use_draft_vocab:
+            model.set_vocab_mapping(torch.tensor(model_init["d2t"]), torch.tensor(model_init["t2d"]))
+        t = self.s.trainer
+        optim = OptimConfig(lr=t["lr"], weight_decay=t["weight_decay"], warmup_steps=t["warmup_steps"],
+                            total_steps=self.s.total_steps, min_lr_ratio=t["min_lr_ratio"], grad_clip=t["grad_clip"])
+        opt, sched = build_optimizer(model, optim)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size, self.s.device),
+        )
+        self.model = model
+        self.objective = DrafterObjective(
+            model, LossWeights(d["ce_weight"], d["l1_weight"], d["confidence_weight"], d["decay"]), d["num_anchors"],
+            seed=t["seed"] + 1000 * self.rank,
+        )
+        if self.store is None:
+            self.connect_store()
+        step = 0
+        if resume:
+            _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False)
+            step = int(client["step"])
+            self.objective.generator.set_state(client["anchor_rng"][self.rank])
+        return {"step": step, "rank": self.rank, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+    def reconnect_store(self) -> None:
+        self.store.reconnect()
+
+    def fetch(self, step: int, rows: list[dict]) -> list[str]:
+        """Read this rank's samples for `step`; returns the uids whose data is gone."""
+        from cluster.store import SampleMissing, SampleRef, StoreError, StoreUnavailable
+        from dspark.samples import CorruptSampleError
+
+        t0 = time.perf_counter()
+        self.batch, self.fetched_step = None, step
+        missing = []
+        samples = []
+        for row in rows:
+            ref = SampleRef.from_dict(row["ref"])
+            try:
+                samples.extend(self.store.get_samples([ref]))
+            except (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable):
+                missing.append(row["uid"])
+        if samples and not missing:
+            dtype = torch.bfloat16 if self.s.trainer["precision"] == "bf16" else torch.float32
+            self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype)
+        self.data_wait_s += time.perf_counter() - t0
+        return missing
+
+    def train_step(self, step: int) -> dict:
+        if self.fetched_step != step:
+            raise RuntimeError(f"rank {self.rank}: train_step({step}) without fetch({step})")
+        t0 = time.perf_counter()
+        loss, metrics = (None, {})
+        if self.batch is not None:
+            loss, metrics = self.objective(self.batch, module=self.engine)
+        if loss is None:
+            # Nothing to learn on this rank this step; still take part in the all-reduce.
+            loss = sum((p * 0).sum() for p in self.engine.module.parameters() if p.requires_grad)
+        self.engine.backward(loss)
+        self.engine.step()
+        if self.s.trainer.get("throttle_s"):
+            time.sleep(self.s.trainer["throttle_s"])
+        metrics.update(
+            step=step, rank=self.rank, tokens=self.batch.num_tokens if self.batch is not None else 0,
+            lr=self.scheduler.get_last_lr()[0] if self.scheduler else None, step_s=time.perf_counter() - t0,
+        )
+        self.batch = None
+        return metrics
+
+    def save(self, tmp_dir: str, step: int, anchor_rngs: list) -> None:
+        """Collective: every rank writes its DeepSpeed shard under `tmp_dir/trainer`."""
+        self.engine.save_checkpoint(str(Path(tmp_dir) / "trainer"), tag="ds",
+                                    client_state={"step": step, "anchor_rng": anchor_rngs},
+                                    exclude_frozen_parameters=True)
+
+    def anchor_rng(self):
+        return self.objective.generator.get_state()
+
+    def finalize_checkpoint(self, tmp_dir: str, dest: str, ledger_state: dict, meta: dict) -> str:
+        """Rank 0: add the drafter and the ledger, then move the checkpoint into place."""
+        from dspark.checkpoint import save_drafter
+
+        tmp, dest = Path(tmp_dir), Path(dest)
+        save_drafter(self.model, tmp / "drafter")
+        (tmp / "ledger.json").write_text(json.dumps(ledger_state))
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        return str(dest)
+
+    def export(self, dest: str, confidence_temperatures: list[float] | None = None) -> str:
+        from dspark.checkpoint import save_drafter
+
+        if confidence_temperatures is not None:
+            self.model.config.confidence_temperatures = confidence_temperatures
+        save_drafter(self.model, dest)
+        return dest
+
+    def calibrate(self, rows: list[dict]) -> dict:
+        """Fit confidence temperatures on held-out samples (rank 0)."""
+        from cluster.store import SampleRef
+        from dspark.training import calibrate_confidence
+
+        samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+        batches = [self.objective.pack([s]).to(dtype=torch.float32) for s in samples]
+        self.model.float()
+        return calibrate_confidence(self.model, batches, self.objective.num_anchors)
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "data_wait_s": self.data_wait_s}
+
+
+def vocab_mapping_from(samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int,
+                       always: list[int]) -> dict:
+    from dspark.vocab import build_vocab_mapping, token_frequencies
+
+    d2t, t2d = build_vocab_mapping(token_frequencies(samples_tokens, vocab_size), draft_vocab_size, always)
+    return {"d2t": d2t.tolist(), "t2d": t2d.tolist()}
+
+
+__all__ = ["TrainerRank", "TrainerSettings", "deepspeed_config", "vocab_mapping_from"]

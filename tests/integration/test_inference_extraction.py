@@ -1,0 +1,106 @@
+"""The inference side with real parts: vLLM (CPU) in Ray actors, a real mooncake_master, the
+real SmolLM2 target. Hidden states read back from the store match transformers', the final
+layer reproduces the target's next tokens, the loss mask is exactly the assistant text, and
+extraction does not change what the target generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.inference import InferenceActor, InferenceSettings
+from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+from dspark.config import DSparkConfig
+from dspark.model import find_target_tensors
+from dspark.samples import read_sample
+from dspark.targets import hidden_states_for, load_target
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    {"id": "p0", "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]},
+    {"id": "p1", "messages": [{"role": "user", "content": "What is 12 times 7?"}]},
+    {"id": "p2", "messages": [
+        {"role": "user", "content": "Suggest a name for a cat."},
+        {"role": "assistant", "content": "How about Pepper?"},
+        {"role": "user", "content": "Another one, please."},
+    ]},
+]
+
+
+@pytest.fixture(scope="module")
+def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
+    ray = ray_cluster
+    holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=256 << 20)).connect()
+    layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
+    base = dict(target_path=str(smol_target), layer_ids=layer_ids, key_prefix="test/g0", max_tokens=40,
+                store={"master": mooncake_master.address}, max_model_len=1024)
+    Actor = ray.remote(num_cpus=1)(InferenceActor)
+    file_dir = tmp_path_factory.mktemp("hs_files")
+    actors = {
+        "mooncake": Actor.remote(base),
+        "file": Actor.remote({**base, "backend": "file", "file_dir": str(file_dir)}),
+        "plain": Actor.remote({**base, "extract": False}),
+    }
+    out = {name: ray.get(a.process.remote(PROMPTS)) for name, a in actors.items()}
+    stats = ray.get(actors["mooncake"].stats.remote())
+    for a in actors.values():
+        ray.kill(a)
+    yield out, holder, layer_ids, stats
+    holder.close()
+
+
+def test_regenerated_response_is_the_targets_greedy_output(produced):
+    out, *_ = produced
+    for m, p in zip(out["mooncake"], out["plain"]):
+        assert m.error is None and m.response_ids == p.response_ids
+        assert len(m.response_ids) > 1
+
+
+def test_hidden_states_match_transformers(produced, smol_target):
+    out, holder, layer_ids, stats = produced
+    model, tok = load_target(smol_target, torch.float32)
+    heads = find_target_tensors(smol_target)
+    assert stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
+    for r in out["mooncake"]:
+        ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
+        s = holder.get_sample(ref)
+        assert s.num_tokens == r.prompt_tokens + len(r.response_ids) - 1  # the last token is never fed back
+        assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
+        ref_h = hidden_states_for(model, s.token_ids, layer_ids).float()
+        got = s.hidden_states.float()
+        for li in range(len(layer_ids)):
+            flat = torch.nn.functional.cosine_similarity(got[:, li].flatten(), ref_h[:, li].flatten(), dim=0)
+            per_token = torch.nn.functional.cosine_similarity(got[:, li], ref_h[:, li], dim=-1)
+            assert flat >= 0.999 and per_token.mean() >= 0.999, (layer_ids[li], float(flat), float(per_token.min()))
+        # The final pre-norm state through the target's norm + LM head gives the target's next tokens.
+        last = got[:, -1]
+        normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * heads["norm"].float()
+        pred = (normed @ heads["head"].float().t()).argmax(-1)
+        gen = slice(r.prompt_tokens - 1, s.num_tokens - 1)
+        agree = (pred[gen] == s.token_ids[r.prompt_tokens:]).float().mean()
+        assert agree == 1.0, float(agree)
+
+
+def test_loss_mask_is_exactly_the_assistant_text(produced, smol_target):
+    out, holder, *_ = produced
+    _, tok = load_target(smol_target, torch.float32)
+    for r, p in zip(out["mooncake"], PROMPTS):
+        ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
+        s = holder.get_sample(ref)
+        earlier = "".join(m["content"] + tok.eos_token for m in p["messages"] if m["role"] == "assistant")
+        expected = earlier + tok.decode(r.response_ids[:-1])
+        assert tok.decode(s.token_ids[s.loss_mask]) == expected
+        outside = tok.decode(s.token_ids[~s.loss_mask])
+        assert "Pepper" not in outside and p["messages"][0]["content"] in outside
+
+
+def test_file_backend_writes_the_same_sample(produced):
+    out, holder, *_ = produced
+    for f, m in zip(out["file"], out["mooncake"]):
+        from_file = read_sample(f.ref["path"])
+        ref = SampleRef(m.ref["key"], m.ref["num_tokens"], tuple(m.ref["layer_ids"]), m.ref["hidden_size"])
+        from_store = holder.get_sample(ref)
+        assert torch.equal(from_file.token_ids, from_store.token_ids)
+        assert torch.equal(from_file.loss_mask, from_store.loss_mask)
+        torch.testing.assert_close(from_file.hidden_states, from_store.hidden_states)

@@ -1,0 +1,197 @@
+"""The data path under failure, with real parts: a supervised mooncake_master (Ray actor), the
+sample ledger (Ray actor), replay producers and a consumer with real store clients (Ray
+actors). After each failure the run completes and every prompt is trained exactly once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from cluster.ledger import SampleLedger
+from cluster.master import MooncakeMaster
+from cluster.replay import ReplayActor
+from cluster.store import HiddenStateStore, StoreConfig, StoreUnavailable
+from dspark.samples import Sample, write_sample
+
+pytestmark = pytest.mark.integration
+
+
+class Consumer:
+    """A trainer stand-in: leases steps, reads them from the store, checkpoints, commits."""
+
+    def __init__(self, ledger, store: dict, ckpt: str, every: int = 3) -> None:
+        self.ledger, self.ckpt, self.every = ledger, ckpt, every
+        self.store = HiddenStateStore(StoreConfig(**store)).connect()
+        self.seen: list[str] = []
+        self.step = 0
+        try:  # resume from our last checkpoint, as a restarted trainer does
+            import ray
+
+            saved = json.loads(open(ckpt).read())
+            self.seen, self.step = saved["seen"], saved["step"]
+            stale = ray.get(ledger.load_state_dict.remote(saved["ledger"]))
+            for k in stale:
+                self.store.remove(k)
+        except FileNotFoundError:
+            pass
+
+    def reconnect(self) -> None:
+        self.store.reconnect()
+
+    def run(self, max_steps: int, stop_before_commit_at: int | None = None) -> dict:
+        import ray
+
+        from cluster.store import SampleMissing, SampleRef
+
+        while self.step < max_steps:
+            lease = ray.get(self.ledger.lease_step.remote(self.step + 1, 1, 3000))
+            if lease is None:
+                if ray.get(self.ledger.drained.remote()):
+                    break
+                time.sleep(0.05)
+                continue
+            rows = lease[0]
+            try:
+                samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+            except SampleMissing:
+                missing = [r["uid"] for r in rows if not self.store.exists(r["ref"]["key"])]
+                ray.get(self.ledger.release_lease.remote(self.step + 1, missing))
+                continue
+            assert all(s.num_tokens > 0 for s in samples)
+            self.step += 1
+            self.seen += [r["uid"] for r in rows]
+            if stop_before_commit_at is not None and self.step >= stop_before_commit_at:
+                return {"stopped": self.step}
+            if self.step % self.every == 0:
+                self.checkpoint()
+        self.checkpoint()
+        return {"done": self.step}
+
+    def checkpoint(self) -> None:
+        import ray
+
+        state = ray.get(self.ledger.checkpoint_state.remote(self.step))
+        with open(self.ckpt + ".tmp", "w") as f:
+            json.dump({"seen": self.seen, "step": self.step, "ledger": state}, f)
+        import os
+
+        os.replace(self.ckpt + ".tmp", self.ckpt)
+        for k in ray.get(self.ledger.commit.remote(self.step)):
+            self.store.remove(k)
+
+    def seen_uids(self) -> list[str]:
+        return list(self.seen)
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        t = 150 + 40 * i
+        write_sample(d / f"s{i}.safetensors", Sample(torch.randint(0, 1000, (t,), generator=g), torch.ones(t, dtype=torch.bool),
+                                                     torch.randn(t, 6, 576, generator=g).to(torch.bfloat16), [2, 8, 15, 22, 28, 30]))
+    return d
+
+
+def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256):
+    Master = ray.remote(num_cpus=0, max_concurrency=4)(MooncakeMaster)
+    master = Master.remote()
+    info = ray.get(master.info.remote())
+    store = {"master": info["address"]}
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n_prompts)]
+    high = (segment_mb << 20) * (10 if scenario == "full_store" else 0.7)  # full_store: no ledger backpressure
+    ledger = ray.remote(num_cpus=0)(SampleLedger).remote("g0", prompts, epochs=2, key_prefix=scenario,
+                                                         high_watermark_bytes=int(high), low_watermark_bytes=int(high * 0.5))
+    C = ray.remote(num_cpus=0, max_concurrency=2)(Consumer)
+    ckpt = str(tmp_path / f"{scenario}.json")
+    consumer = C.remote(ledger, {**store, "segment_bytes": segment_mb << 20}, ckpt)
+    P = ray.remote(num_cpus=0, max_concurrency=2)(ReplayActor)
+    rate = 40.0 if scenario in ("kill_producer", "restart_master") else 0.0
+    producers = {f"r{i}": P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, f"r{i}") for i in range(2)}
+    serving = {rid: p.serve.remote(ledger, 4) for rid, p in producers.items()}
+    events = []
+    seq = 2
+
+    def supervise():
+        nonlocal seq
+        for rid, ref in list(serving.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if done:
+                try:
+                    ray.get(ref)
+                except Exception:
+                    back = ray.get(ledger.replica_died.remote(rid))
+                    events.append(("replica_died", rid, back))
+                    del serving[rid], producers[rid]
+                    new = f"r{seq}"
+                    seq += 1
+                    producers[new] = P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, new)
+                    serving[new] = producers[new].serve.remote(ledger, 4)
+
+    generation = ray.get(master.info.remote())["generation"]
+    if scenario == "kill_consumer":
+        ray.get(consumer.run.remote(10 ** 6, stop_before_commit_at=5))
+        ray.kill(consumer)  # it trained 5 steps, committed 3: steps 4-5 must be trained again
+        consumer = C.remote(ledger, {**store, "segment_bytes": segment_mb << 20}, ckpt)
+        events.append(("consumer_restarted",))
+    run = consumer.run.remote(10 ** 6)
+    t0 = time.monotonic()
+    injected = False
+    while True:
+        done, _ = ray.wait([run], timeout=0.2)
+        supervise()
+        counts = ray.get(ledger.counts.remote())
+        if not injected and counts["trained"] + counts["leased"] >= n_prompts // 3:
+            injected = True
+            if scenario == "kill_producer":
+                ray.kill(producers["r0"])
+            elif scenario == "restart_master":
+                ray.get(master.kill.remote())
+        gen = ray.get(master.info.remote())["generation"]
+        if gen > generation:  # the watcher restarted it: every store user reconnects
+            generation = gen
+            lost = ray.get(ledger.master_restarted.remote(gen))
+            events.append(("master_restarted", gen, lost))
+            ray.get(consumer.reconnect.remote())
+            ray.get([p.reconnect_store.remote() for p in producers.values()])
+        if done:
+            break
+        assert time.monotonic() - t0 < 240, counts
+    ray.get(run)
+    seen = ray.get(consumer.seen_uids.remote())
+    report = ray.get(ledger.verify_exactly_once.remote())
+    stats = ray.get([p.stats.remote() for p in producers.values()])
+    for p in producers.values():
+        ray.get(p.stop.remote())
+    ray.get(master.stop.remote())
+    for a in [consumer, ledger, master, *producers.values()]:
+        ray.kill(a)
+    return seen, report, events, stats
+
+
+@pytest.mark.parametrize("scenario", ["kill_producer", "restart_master", "kill_consumer", "full_store"])
+def test_exactly_once_after_failure(scenario, ray_cluster, sample_dir, tmp_path):
+    seg = 16 if scenario == "full_store" else 256
+    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, segment_mb=seg)
+    expected = {f"p{i}@{e}" for i in range(60) for e in range(2)}
+    assert report["failed"] == [] and report["per_epoch"] == {"0": 60, "1": 60}
+    assert sorted(seen) == sorted(expected), "the consumer's model saw a sample twice or missed one"
+    if scenario == "kill_producer":
+        assert any(e[0] == "replica_died" for e in events)
+    if scenario == "restart_master":
+        assert any(e[0] == "master_restarted" for e in events)
+    if scenario == "full_store":
+        assert sum(s["full_waits"] for s in stats) > 0, "the store never filled: the test did not test backpressure"
+
+
+def test_store_client_fails_fast_without_master():
+    from cluster.master import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="does not answer"):
+        HiddenStateStore(StoreConfig(master=f"127.0.0.1:{free_port()}")).connect(timeout=1.0)
+    assert time.monotonic() - t0 < 10

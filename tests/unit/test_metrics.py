@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+
+from cluster.metrics import Metrics
+
+
+class FakeMetric:
+    def __init__(self, name, description, tag_keys):
+        self.name, self.tag_keys, self.values = name, tag_keys, []
+
+    def set(self, v, tags):
+        assert set(tags) == set(self.tag_keys)
+        self.values.append(("set", v, dict(tags)))
+
+    def inc(self, v, tags):
+        assert set(tags) == set(self.tag_keys)
+        self.values.append(("inc", v, dict(tags)))
+
+
+class FakeBackend:
+    Gauge = Counter = FakeMetric
+
+
+def test_gauges_and_counters_carry_job_tags():
+    m = Metrics(tags={"run": "r1"}, backend=FakeBackend)
+    m.gauge("queue_depth", 3, group="g0")
+    m.gauge("queue_depth", 5, group="g1")
+    m.count("samples_trained", 2, group="g0")
+    m.count("samples_trained", 0, group="g0")  # no-op, counters only grow
+    gauge = m._metrics["dspark_queue_depth"][0]
+    assert gauge.values == [("set", 3.0, {"run": "r1", "group": "g0"}), ("set", 5.0, {"run": "r1", "group": "g1"})]
+    assert m._metrics["dspark_samples_trained"][0].values == [("inc", 2.0, {"run": "r1", "group": "g0"})]
+
+
+def test_misuse_is_an_error():
+    m = Metrics(backend=FakeBackend)
+    m.gauge("x", 1, group="a")
+    with pytest.raises(ValueError, match="tags"):
+        m.gauge("x", 1, rank="0")
+    with pytest.raises(ValueError, match="gauge"):
+        m.count("x", 1, group="a")
+    with pytest.raises(ValueError, match="invalid"):
+        m.gauge("bad-name", 1)
