@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .checkpoint import load_drafter, load_state, save_drafter, save_state
 from .config import DSparkConfig
@@ -77,10 +77,15 @@ def list_samples(data_dir: Path, heldout_fraction: float, seed: int) -> tuple[li
     return train, held
 
 
-def read_tokens(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        ids = f.get_tensor("token_ids")
-        mask = f.get_tensor("loss_mask") if "loss_mask" in f.keys() else torch.ones_like(ids, dtype=torch.bool)
+def read_tokens(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token ids and loss mask only (cheap); None for an unreadable file, which the sample
+    reader reports when training reaches it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            ids = f.get_tensor("token_ids")
+            mask = f.get_tensor("loss_mask") if "loss_mask" in f.keys() else torch.ones_like(ids, dtype=torch.bool)
+    except (SafetensorError, OSError):
+        return None
     return ids, mask
 
 
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         if args.init == "target_layers":
             model.init_from_target_layers(args.target)
         if model.use_draft_vocab:
-            counts = token_frequencies((read_tokens(f) for f in train_files), cfg.target_vocab_size)
+            counts = token_frequencies((t for t in map(read_tokens, train_files) if t is not None), cfg.target_vocab_size)
             from transformers import AutoTokenizer
 
             eos = AutoTokenizer.from_pretrained(args.target).eos_token_id
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
         state = None
     cfg = model.config
     reader = SampleReader(cfg.extract_layer_ids)
-    total_tokens = sum(int(read_tokens(f)[0].numel()) for f in train_files)
+    total_tokens = sum(int(t[0].numel()) for t in map(read_tokens, train_files) if t is not None)
     steps_per_epoch = max(1, round(total_tokens / args.batch_tokens))
     total_steps = args.max_steps or max(1, int(steps_per_epoch * args.epochs))
     optim_cfg = OptimConfig(lr=args.lr, warmup_steps=min(args.warmup_steps, total_steps // 5 + 1), total_steps=total_steps)
@@ -169,7 +174,7 @@ def main(argv=None) -> int:
         save_drafter(model, base / "drafter")
         save_state(base / "trainer", {
             "step": step, "epoch": epoch, "consumed": consumed, "optimizer": opt.state_dict(),
-            "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"},
+            "scheduler": sched.state_dict(),
             "anchor_rng": objective.generator.get_state(),
         })
 

@@ -15,7 +15,7 @@ from dspark.decoder import SpeculativeDecoder, target_generate
 from dspark.model import ContextCache
 from dspark.samples import PackedBatch, Sample, write_sample
 from dspark.scheduler import StepRateTable
-from dspark.targets import hidden_states_for, load_target, render_prompt, render_with_loss_mask
+from dspark.targets import hidden_states_for, load_target, render_prompt
 from tests.helpers import make_drafter
 
 PROMPTS = [f"Tell me about item number {i} and why it matters." for i in range(40)]
@@ -33,10 +33,11 @@ def sample_dir(tiny_target, target, tmp_path_factory):
     out = tmp_path_factory.mktemp("samples")
     layer_ids = make_drafter(tiny_target).config.extract_layer_ids
     for i, p in enumerate(PROMPTS):
-        msgs = [{"role": "user", "content": p}]
-        answer = target_generate(model, render_prompt(tok, msgs), 40, {tok.eos_token_id})
-        msgs.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-        ids, mask = render_with_loss_mask(tok, msgs)
+        # Token ids straight from generation: decoding and re-tokenising the answer would not
+        # give back the same tokens (runs of newlines merge), and the drafter must learn these.
+        prompt = render_prompt(tok, [{"role": "user", "content": p}])
+        answer = target_generate(model, prompt, 40, {tok.eos_token_id})
+        ids, mask = prompt + answer, [False] * len(prompt) + [True] * len(answer)
         h = hidden_states_for(model, torch.tensor(ids), layer_ids)
         write_sample(out / f"s{i:03d}.safetensors", Sample(torch.tensor(ids), torch.tensor(mask), h, layer_ids))
     (out / "broken.safetensors").write_bytes(b"not a safetensors file")
