@@ -20,7 +20,6 @@ building offline datasets.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.logger import init_logger
 
-from cluster.store import HiddenStateStore, StoreFull
+from cluster.store import HiddenStateStore, put_with_retry
 from dspark.samples import Sample, write_sample
 
 logger = init_logger(__name__)
@@ -196,15 +195,7 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
             write_sample(self._file_path(save.key), sample)
             return
         # A full store is backpressure: wait for consumers to free space, never drop the sample.
-        deadline = time.monotonic() + self.put_retry_s
-        while True:
-            try:
-                self.store().put_sample(save.key, sample)
-                return
-            except StoreFull:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        put_with_retry(self.store(), save.key, sample, self.put_retry_s)
 
 
 __all__ = ["MooncakeHiddenStatesConnector", "loss_mask_for"]

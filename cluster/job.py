@@ -83,7 +83,8 @@ class TrainingJob:
         t = self.cfg.transport
         self.master = self.ray.remote(num_cpus=0)(MooncakeMaster).options(
             name=f"mooncake-master-{self.cfg.run_name}", max_concurrency=4,
-        ).remote(t.master_host, t.master_port, str(self.run_dir / "logs"))
+        ).remote(t.master_host, t.master_port, str(self.run_dir / "logs"), segment_bytes=t.segment_mb << 20,
+                 protocol=t.protocol, rdma_devices=t.rdma_devices)
         self.master_info = self.ray.get(self.master.info.remote())
         log.info("mooncake master at %s", self.master_info["address"])
 
@@ -120,10 +121,9 @@ class TrainingJob:
     def trainer_settings(self, group: str, world: int) -> dict:
         from cluster.trainer import TrainerSettings
 
-        seg = (self.cfg.transport.segment_mb << 20) // world
         return asdict(TrainerSettings(
             target_path=self.target_path, drafter=asdict(self.cfg.drafter), trainer=asdict(self.cfg.trainer),
-            store=self.store_config(seg), device=self.cfg.device, total_steps=self.total_steps,
+            store=self.store_config(0), device=self.cfg.device, total_steps=self.total_steps,
             aux_layer_ids=self.aux_layer_ids, torch_threads=self.cfg.trainer.torch_threads,
             extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR"),
         ))

@@ -47,8 +47,13 @@ def master_binary() -> str:
 
 
 class MooncakeMaster:
+    """Also hosts the store's memory (`segment_bytes`) in this process: samples then outlive
+    the death of any producer or trainer rank, and are lost only with the master itself (whose
+    restart loses every key anyway)."""
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, log_dir: str | None = None,
-                 watch_interval_s: float = 0.5, extra_args: list[str] | None = None) -> None:
+                 watch_interval_s: float = 0.5, extra_args: list[str] | None = None,
+                 segment_bytes: int = 0, protocol: str = "tcp", rdma_devices: str = "") -> None:
         self.host = host
         self.port = port or free_port(host)
         self.metrics_port = free_port(host)
@@ -59,13 +64,27 @@ class MooncakeMaster:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self.segment_bytes, self.protocol, self.rdma_devices = segment_bytes, protocol, rdma_devices
+        self._holder = None
         self.start()
         self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), daemon=True)
         self._watcher.start()
 
     @property
+    def advertise_host(self) -> str:
+        """The address clients use: the bind address, or this node's IP when bound to all."""
+        if self.host not in ("0.0.0.0", ""):
+            return self.host
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray
+            return socket.gethostbyname(socket.gethostname())
+
+    @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{self.advertise_host}:{self.port}"
 
     def info(self) -> dict:
         return {"address": self.address, "generation": self.generation, "restarts": self.restarts,
@@ -96,6 +115,18 @@ class MooncakeMaster:
                     raise TimeoutError(f"mooncake_master did not answer on {self.address} within {timeout}s")
                 time.sleep(0.1)
             self.generation += 1
+            self._host_segment()
+
+    def _host_segment(self) -> None:
+        if not self.segment_bytes:
+            return
+        from cluster.store import HiddenStateStore, StoreConfig
+
+        if self._holder is not None:
+            self._holder.close()
+        self._holder = HiddenStateStore(StoreConfig(
+            master=self.address, local_hostname=self.advertise_host, protocol=self.protocol, rdma_devices=self.rdma_devices,
+            segment_bytes=self.segment_bytes, buffer_bytes=16 << 20)).connect()
 
     def _watch(self, interval: float) -> None:
         while not self._stopping:
@@ -115,6 +146,9 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         self._stopping = True
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.producer import Producer
-from cluster.store import HiddenStateStore, SampleRef, StoreConfig, StoreFull
+from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry
 
 
 @dataclass
@@ -51,17 +51,8 @@ class ReplayActor(Producer):
         return self.samples[h % len(self.samples)]
 
     def _put(self, key: str, sample) -> None:
-        """A full store is backpressure: wait, never drop."""
-        deadline = time.monotonic() + self.s.put_retry_s
-        while True:
-            try:
-                self.store.put_sample(key, sample)
-                return
-            except StoreFull:
-                self.totals["full_waits"] += 1
-                if time.monotonic() > deadline or self._stopping:
-                    raise
-                time.sleep(0.05)
+        _, waits = put_with_retry(self.store, key, sample, self.s.put_retry_s, lambda: self._stopping)
+        self.totals["full_waits"] += waits
 
     def produce(self, prompts: list[dict]) -> list[dict]:
         t0 = time.perf_counter()

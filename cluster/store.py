@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -34,6 +35,9 @@ ERROR_NAMES = {
     -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
     -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT", -1700: "TENANT_QUOTA_EXCEEDED",
 }
+RPC_FAILURES = {-900, -901}
+# Worth a retry: no room yet, or a transfer to a segment whose owner just went away.
+TRANSIENT = {-200, -800, -900, -901}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -53,6 +57,20 @@ class StoreFull(StoreError):
 
 class SampleMissing(StoreError):
     """The key is not in the store (never written, removed, or lost with a restarted master)."""
+
+
+def put_with_retry(store: "HiddenStateStore", key: str, sample: Sample, timeout_s: float, stopping=lambda: False) -> tuple["SampleRef", int]:
+    """Backpressure and transient faults are waits, never drops: retry until `timeout_s`.
+    Returns the ref and how many times it had to wait."""
+    deadline, waits = time.monotonic() + timeout_s, 0
+    while True:
+        try:
+            return store.put_sample(key, sample), waits
+        except StoreError as e:
+            if e.code not in TRANSIENT or time.monotonic() > deadline or stopping():
+                raise
+            waits += 1
+            time.sleep(min(0.02 * waits, 0.2))
 
 
 class StoreUnavailable(RuntimeError):
@@ -148,8 +166,8 @@ class StoreConfig:
     protocol: str = "tcp"  # tcp | rdma
     rdma_devices: str = ""
     metadata_server: str = "P2PHANDSHAKE"
-    # Memory this client lends to the distributed pool. Producers lend none, so a dead
-    # inference actor takes no stored samples with it; the trainer side hosts the segments.
+    # Memory this client lends to the distributed pool. Only the master's actor lends any, so
+    # the death of a producer or a trainer rank takes no stored sample with it.
     segment_bytes: int = 0
     buffer_bytes: int = 256 << 20  # client-local staging for puts of non-registered memory
     extra: dict = field(default_factory=dict)
@@ -157,17 +175,16 @@ class StoreConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "SampleRef":
-        """From `to_dict()` output, ignoring extra fields (e.g. a file backend's path)."""
-        return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
-
 
 class HiddenStateStore:
+    """Thread-safe: actors serve and report from several threads, and a reconnect must never
+    swap the client out from under a transfer in flight (the native client would crash)."""
+
     def __init__(self, config: StoreConfig | dict) -> None:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig(**config)
         self._client = None
         self._read_buf: torch.Tensor | None = None
+        self._lock = threading.RLock()
 
     # ---- connection ---------------------------------------------------------------------
     def connect(self, timeout: float = 30.0) -> "HiddenStateStore":
@@ -180,27 +197,30 @@ class HiddenStateStore:
             if time.monotonic() > deadline:
                 raise StoreUnavailable(f"mooncake master {cfg.master} does not answer (waited {timeout:.0f}s)")
             time.sleep(0.2)
-        client = MooncakeDistributedStore()
-        rc = client.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
-                          cfg.protocol, cfg.rdma_devices, cfg.master)
-        if rc != 0:
-            raise StoreUnavailable(f"mooncake setup against {cfg.master} failed with {rc}")
-        self._client = client
-        self._read_buf = None
+        with self._lock:
+            client = MooncakeDistributedStore()
+            rc = client.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
+                              cfg.protocol, cfg.rdma_devices, cfg.master)
+            if rc != 0:
+                raise StoreUnavailable(f"mooncake setup against {cfg.master} failed with {rc}")
+            self._client = client
+            self._read_buf = None
         return self
 
     def reconnect(self, timeout: float = 60.0) -> None:
         """After a master restart: a new client (old registrations are gone with the old one)."""
-        self.close()
-        self.connect(timeout)
+        with self._lock:
+            self.close()
+            self.connect(timeout)
 
     def close(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            finally:
-                self._client = None
-                self._read_buf = None
+        with self._lock:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                finally:
+                    self._client = None
+                    self._read_buf = None
 
     @property
     def client(self):
@@ -211,10 +231,22 @@ class HiddenStateStore:
     def healthy(self) -> bool:
         return self._client is not None and self._client.health_check() == 0 and probe(self.config.master, 1.0)
 
+    def _call(self, fn):
+        """Run `fn(client)`; after an RPC failure (the master restarted or moved) reconnect once
+        and retry, so producers and consumers ride through a master restart."""
+        with self._lock:
+            rc = fn(self.client)
+            codes = rc if isinstance(rc, list) else [rc]
+            if any(c in RPC_FAILURES for c in codes if isinstance(c, int)):
+                self.reconnect()
+                rc = fn(self.client)
+            return rc
+
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
         ref = SampleRef.for_sample(key, sample)
-        raise_for("upsert", self.client.upsert_parts(key, *sample_parts(sample)), key)
+        parts = sample_parts(sample)
+        raise_for("upsert", self._call(lambda c: c.upsert_parts(key, *parts)), key)
         return ref
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -239,17 +271,23 @@ class HiddenStateStore:
         for r in refs:
             offsets.append(total)
             total += _aligned(r.nbytes)
-        buf = self._buffer(total)
-        base = buf.data_ptr()
-        codes = self.client.batch_get_into([r.key for r in refs], [base + o for o in offsets], [r.nbytes for r in refs])
-        out = []
-        for r, o, rc in zip(refs, offsets, codes):
-            raise_for("get", rc, r.key)
-            if rc != r.nbytes:
-                raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
-            s = sample_from_buffer(r, buf[o : o + r.nbytes])
-            out.append(Sample(s.token_ids.clone(), s.loss_mask.clone(), s.hidden_states.clone(), s.layer_ids))
-        return out
+        keys, sizes = [r.key for r in refs], [r.nbytes for r in refs]
+
+        def read(client):
+            buf = self._buffer(total)  # a reconnect drops the registration: (re)register here
+            return client.batch_get_into(keys, [buf.data_ptr() + o for o in offsets], sizes)
+
+        with self._lock:  # the shared read buffer stays ours until the copies are made
+            codes = self._call(read)
+            buf = self._read_buf
+            out = []
+            for r, o, rc in zip(refs, offsets, codes):
+                raise_for("get", rc, r.key)
+                if rc != r.nbytes:
+                    raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
+                s = sample_from_buffer(r, buf[o : o + r.nbytes])
+                out.append(Sample(s.token_ids.clone(), s.loss_mask.clone(), s.hidden_states.clone(), s.layer_ids))
+            return out
 
     def get_sample(self, ref: SampleRef) -> Sample:
         return self.get_samples([ref])[0]
@@ -259,14 +297,14 @@ class HiddenStateStore:
 
         Forced: our callers remove only what is committed (or stale), and a recent read leaves
         a lease on the object that would otherwise refuse the removal (−706)."""
-        rc = self.client.remove(key, True)
+        rc = self._call(lambda c: c.remove(key, True))
         if rc == -704:
             return False
         raise_for("remove", rc, key)
         return True
 
     def exists(self, key: str) -> bool:
-        rc = self.client.is_exist(key)
+        rc = self._call(lambda c: c.is_exist(key))
         raise_for("is_exist", rc, key)
         return rc == 1
 

@@ -77,7 +77,7 @@ class TrainerRank:
         self.data_wait_s = 0.0
 
     def connect_store(self) -> None:
-        """Join the store, lending it this rank's share of the group's segment memory."""
+        """Join the store (as a pure client: the master's actor hosts the memory)."""
         from cluster.store import HiddenStateStore, StoreConfig
 
         self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()

@@ -99,7 +99,7 @@ def sample_dir(tmp_path_factory):
 
 def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256):
     Master = ray.remote(num_cpus=0, max_concurrency=4)(MooncakeMaster)
-    master = Master.remote()
+    master = Master.remote(segment_bytes=segment_mb << 20)  # the master's actor hosts the store memory
     info = ray.get(master.info.remote())
     store = {"master": info["address"]}
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n_prompts)]
@@ -108,7 +108,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
                                                          high_watermark_bytes=int(high), low_watermark_bytes=int(high * 0.5))
     C = ray.remote(num_cpus=0, max_concurrency=2)(Consumer)
     ckpt = str(tmp_path / f"{scenario}.json")
-    consumer = C.remote(ledger, {**store, "segment_bytes": segment_mb << 20}, ckpt)
+    consumer = C.remote(ledger, store, ckpt)
     P = ray.remote(num_cpus=0, max_concurrency=2)(ReplayActor)
     rate = 40.0 if scenario in ("kill_producer", "restart_master") else 0.0
     producers = {f"r{i}": P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, f"r{i}") for i in range(2)}
@@ -136,7 +136,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     if scenario == "kill_consumer":
         ray.get(consumer.run.remote(10 ** 6, stop_before_commit_at=5))
         ray.kill(consumer)  # it trained 5 steps, committed 3: steps 4-5 must be trained again
-        consumer = C.remote(ledger, {**store, "segment_bytes": segment_mb << 20}, ckpt)
+        consumer = C.remote(ledger, store, ckpt)
         events.append(("consumer_restarted",))
     run = consumer.run.remote(10 ** 6)
     t0 = time.monotonic()
@@ -164,6 +164,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     ray.get(run)
     seen = ray.get(consumer.seen_uids.remote())
     report = ray.get(ledger.verify_exactly_once.remote())
+    report["errors"] = [ev for ev in ray.get(ledger.state_dict.remote())["entries"] if ev["state"] == "failed"]
     stats = ray.get([p.stats.remote() for p in producers.values()])
     for p in producers.values():
         ray.get(p.stop.remote())
@@ -175,10 +176,10 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
 
 @pytest.mark.parametrize("scenario", ["kill_producer", "restart_master", "kill_consumer", "full_store"])
 def test_exactly_once_after_failure(scenario, ray_cluster, sample_dir, tmp_path):
-    seg = 16 if scenario == "full_store" else 256
-    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, segment_mb=seg)
-    expected = {f"p{i}@{e}" for i in range(60) for e in range(2)}
-    assert report["failed"] == [] and report["per_epoch"] == {"0": 60, "1": 60}
+    seg, n = (16, 30) if scenario == "full_store" else (256, 60)
+    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, n_prompts=n, segment_mb=seg)
+    expected = {f"p{i}@{e}" for i in range(n) for e in range(2)}
+    assert report["failed"] == [] and report["per_epoch"] == {"0": n, "1": n}, [(e["prompt_id"], e["attempts"], e["errors"]) for e in report["errors"][:3]]
     assert sorted(seen) == sorted(expected), "the consumer's model saw a sample twice or missed one"
     if scenario == "kill_producer":
         assert any(e[0] == "replica_died" for e in events)
