@@ -104,7 +104,7 @@ class TransportConfig:
     rdma_devices: str = ""
     master_host: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
-    segment_mb: int = 2048  # store memory lent by the trainer side, per group
+    segment_mb: int = 2048  # store memory, hosted by the master's actor; at least 16 (Mooncake)
     buffer_mb: int = 256
     high_watermark: float = 0.7  # of segment_mb: producers pause above
     low_watermark: float = 0.5  # ... and resume below
@@ -222,6 +222,8 @@ def validate(cfg: JobConfig) -> None:
     t = cfg.transport
     if not 0 < t.low_watermark < t.high_watermark <= 1:
         raise ConfigError("config error at `transport.low_watermark`/`high_watermark`: need 0 < low < high <= 1")
+    if cfg.transport.segment_mb < 16:  # Mooncake refuses smaller segments (setup returns -600)
+        raise ConfigError(f"config error at `transport.segment_mb`: {cfg.transport.segment_mb} is below Mooncake's minimum of 16")
     if not cfg.topology.groups:
         raise ConfigError("config error at `topology.groups`: at least one group is needed")
     names = [g.name for g in cfg.topology.groups]

@@ -174,6 +174,10 @@ class GroupRunner:
         }
 
     def stop_replicas(self) -> None:
+        """Drain and stop every replica; placement groups the autoscaler added go with them (the
+        initial ones are released by the job)."""
+        from ray.util.placement_group import remove_placement_group
+
         for actor, _, _ in self.replicas.values():
             try:
                 self.ray.get(actor.stop.remote(), timeout=30)
@@ -185,6 +189,9 @@ class GroupRunner:
             except Exception:  # noqa: BLE001
                 pass
             self.ray.kill(actor, no_restart=True)
+        for _, _, placed in self.replicas.values():
+            if placed not in self.replica_pgs:
+                remove_placement_group(placed.pg)
         self.replicas.clear()
 
     # ---- trainer -----------------------------------------------------------------------
@@ -204,7 +211,6 @@ class GroupRunner:
             ).remote(r, world, settings)
             for r, (p, b) in enumerate(placed)
         ]
-        # The trainer side lends the store its memory before any producer starts.
         self.ray.get([r.connect_store.remote() for r in self.ranks])
 
     def init_model(self) -> int:
@@ -253,6 +259,13 @@ class GroupRunner:
             if lease is None:
                 if self.ray.get(self.ledger.drained.remote()):
                     break
+                if self.uncommitted_rows and self.counts()["paused"]:
+                    # Trained-but-uncommitted samples fill the store (it holds fewer than
+                    # checkpoint_interval steps): only a commit makes room, so commit now.
+                    self.events.append(f"step {self.step}: store full of uncommitted samples, checkpointing early")
+                    log.info("[%s] %s", self.name, self.events[-1])
+                    self.checkpoint()
+                    continue
                 time.sleep(0.2)
                 self.data_wait_s += time.perf_counter() - t0
                 continue

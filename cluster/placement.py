@@ -33,10 +33,16 @@ class RoleSpec:
     bundles: list[dict]
     strategy: str
     nodes: int  # how many nodes the bundles must span
+    run: str = ""  # placement group names are cluster-wide: two jobs (or one job's runs) must not clash
+
+    @property
+    def label(self) -> str:
+        return f"{self.group}/{self.role}{self.index}"
 
     @property
     def name(self) -> str:
-        return f"{self.group}/{self.role}{self.index}"
+        """The placement group's name."""
+        return f"{self.run}/{self.label}" if self.run else self.label
 
 
 @dataclass
@@ -57,7 +63,7 @@ class Placed:
             slot = per_node[node]
             per_node[node] += 1
             label = f"{self.node_ips.get(node, '?')}/{node[:6]}"  # fake nodes share an IP
-            out.append((self.spec.name, label, f"GPU{slot}" if gpu else f"CPU{slot}", b))
+            out.append((self.spec.label, label, f"GPU{slot}" if gpu else f"CPU{slot}", b))
         return out
 
 
@@ -74,9 +80,10 @@ def role_specs(cfg: JobConfig, group_index: int | None = None) -> list[RoleSpec]
             per_replica = [{"CPU": g.cpus_per_replica}]
             trainer = [{"CPU": g.cpus_per_trainer_rank} for _ in range(g.trainer_ranks_per_node)]
         for r in range(g.inference_replicas):
-            specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1))
+            specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1,
+                                  cfg.run_name))
         for n in range(g.trainer_nodes):
-            specs.append(RoleSpec(g.name, "trainer", n, trainer, "STRICT_PACK", 1))
+            specs.append(RoleSpec(g.name, "trainer", n, trainer, "STRICT_PACK", 1, cfg.run_name))
     return specs
 
 
@@ -97,15 +104,19 @@ def check_topology(cfg: JobConfig, nodes: list[dict]) -> None:
             raise PlacementError(
                 f"group {g.name} needs nodes with {g.gpus_per_node} GPUs; the largest node has {gpus[0] if gpus else 0}"
             )
-    if need_gpu > sum(gpus):
-        raise PlacementError(f"topology needs {need_gpu:g} GPUs, the cluster has {sum(gpus):g} (missing {need_gpu - sum(gpus):g} GPU)")
     if need_gpu:
+        # Replicas and trainers take whole nodes, so nodes are the binding constraint; the GPU
+        # total is named too, since that is what an operator adds.
+        per_node = max(g.gpus_per_node for g in cfg.topology.groups)
         nodes_needed = sum(
             g.inference_replicas * cfg.target.nodes_per_replica + g.trainer_nodes for g in cfg.topology.groups if g.gpus_per_node
         )
-        full_nodes = sum(1 for x in gpus if x >= max(g.gpus_per_node for g in cfg.topology.groups))
-        if nodes_needed > full_nodes:
-            raise PlacementError(f"topology needs {nodes_needed} GPU nodes, the cluster has {full_nodes} (missing {nodes_needed - full_nodes} node)")
+        full_nodes = sum(1 for x in gpus if x >= per_node)
+        if nodes_needed > full_nodes or need_gpu > sum(gpus):
+            raise PlacementError(
+                f"topology needs {nodes_needed} nodes with {per_node} GPUs ({need_gpu:g} GPUs), the cluster has "
+                f"{full_nodes} such nodes ({sum(gpus):g} GPUs): missing {max(0, nodes_needed - full_nodes)} node(s), "
+                f"{max(0.0, need_gpu - sum(gpus)):g} GPU(s)")
     if need_cpu > cpus:
         raise PlacementError(f"topology needs {need_cpu:g} CPUs, the cluster has {cpus:g} (missing {need_cpu - cpus:g} CPU)")
 

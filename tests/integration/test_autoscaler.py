@@ -36,7 +36,7 @@ def run(tmp_path, replay_dir, name, overrides):
             "autoscaler.scale_down_delay_s=2", "autoscaler.cooldown_s=3", "drafter.draft_vocab_size=null",
             "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=600", "trainer.checkpoint_interval=5",
             "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=3",
-            "transport.segment_mb=64", "topology.groups.0.max_replicas=2"]
+            "transport.segment_mb=64", "topology.groups.0.max_replicas=2", "data.epochs=1"]
     cfg = load_config("configs/local.yaml", base + overrides)
     job = TrainingJob(cfg)
     result = job.run()
@@ -55,7 +55,7 @@ def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir,
     # Two fast producers, a slow trainer and a small store: the queue passes the high watermark.
     result, history = run(tmp_path, replay_dir, "scale-down", [
         "data.max_prompts=60", "topology.groups.0.inference_replicas=2", "trainer.throttle_s=1.0",
-        "transport.segment_mb=8"])
+        "transport.segment_mb=16"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:remove_replica" in applied, history
     assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 60}

@@ -62,6 +62,7 @@ def test_hidden_states_match_transformers(produced, smol_target):
     model, tok = load_target(smol_target, torch.float32)
     heads = find_target_tensors(smol_target)
     assert stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
+    agree = []
     for r in out["mooncake"]:
         ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
         s = holder.get_sample(ref)
@@ -76,10 +77,16 @@ def test_hidden_states_match_transformers(produced, smol_target):
         # The final pre-norm state through the target's norm + LM head gives the target's next tokens.
         last = got[:, -1]
         normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * heads["norm"].float()
-        pred = (normed @ heads["head"].float().t()).argmax(-1)
+        logits = normed @ heads["head"].float().t()
         gen = slice(r.prompt_tokens - 1, s.num_tokens - 1)
-        agree = (pred[gen] == s.token_ids[r.prompt_tokens:]).float().mean()
-        assert agree == 1.0, float(agree)
+        chosen = s.token_ids[r.prompt_tokens:]
+        agree.append(logits[gen].argmax(-1) == chosen)
+        # vLLM picked its tokens from bf16 logits; recomputed in fp32 from the stored bf16 state
+        # a near-tie may flip, but only a near-tie: the chosen token is within bf16 rounding
+        # of the best one (one bf16 ulp at |logit| ~ 16-32 is 0.125-0.25).
+        gap = logits[gen].max(-1).values - logits[gen].gather(-1, chosen[:, None]).squeeze(-1)
+        assert float(gap.max()) <= 0.25, gap[gap > 0].tolist()
+    assert torch.cat(agree).float().mean() >= 0.9
 
 
 def test_loss_mask_is_exactly_the_assistant_text(produced, smol_target):

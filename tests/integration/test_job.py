@@ -19,7 +19,7 @@ from cluster.config import load_config
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["sampling.max_tokens=48", "trainer.checkpoint_interval=3", "data.eval_limit=2",
+SMALL = ["data.epochs=2", "sampling.max_tokens=48", "trainer.checkpoint_interval=3", "data.eval_limit=2",
          "data.eval_max_new_tokens=24", "logging.progress_interval_s=5", "transport.segment_mb=256"]
 
 
@@ -47,7 +47,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL])
     result = TrainingJob(cfg).run()
     g = result["groups"]["g0"]
-    assert g["exactly_once"]["per_epoch"] == {"0": 24} and g["exactly_once"]["failed"] == []
+    assert g["exactly_once"]["per_epoch"] == {"0": 24, "1": 24} and g["exactly_once"]["failed"] == []
     assert g["steps"] >= 2
     ev = result["evaluation"]
     assert ev["lossless"] is True and ev["tau"] >= 1.0 and ev["num_prompts"] == 2
@@ -89,5 +89,5 @@ def test_kill_and_resubmit_resumes(ray_cluster, smol_target, tmp_path):
     result = json.loads((tmp_path / "resume" / "result.json").read_text())
     g = result["groups"]["g0"]
     assert any("resumed from" in e for e in g["events"])
-    assert g["exactly_once"]["per_epoch"] == {"0": 48} and g["exactly_once"]["failed"] == []
+    assert g["exactly_once"]["per_epoch"] == {"0": 48, "1": 48} and g["exactly_once"]["failed"] == []
     assert g["steps"] > killed_at

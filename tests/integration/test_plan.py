@@ -49,4 +49,4 @@ def test_production_placement_on_simulated_cluster():
 def test_impossible_topology_names_the_missing_resource():
     out = plan("10x4")
     assert out.returncode == 2
-    assert "missing 2 node" in out.stderr
+    assert "missing 2 node(s), 8 GPU(s)" in out.stderr, out.stderr[-2000:]

@@ -24,6 +24,7 @@ def test_shipped_configs_load():
     (["drafter.mode=eagle"], "drafter.mode"),
     (["nonsense=1"], "nonsense"),
     (["transport.low_watermark=0.9"], "transport.low_watermark"),
+    (["transport.segment_mb=8"], "transport.segment_mb"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
