@@ -52,10 +52,10 @@ class Producer:
 
 
 class Consumer:
-    def __init__(self, master: str | None, segment_bytes: int) -> None:
+    def __init__(self, master: str | None) -> None:
         from cluster.store import HiddenStateStore, StoreConfig
 
-        self.store = HiddenStateStore(StoreConfig(master=master, segment_bytes=segment_bytes)).connect() if master else None
+        self.store = HiddenStateStore(StoreConfig(master=master)).connect() if master else None
 
     def get_mooncake(self, refs):
         t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def run(shape_name, shape, n, ray, master):
     C = ray.remote(num_cpus=0)(Consumer)
     t, layers, h = shape
     nbytes = t * layers * h * 2
-    prod, cons = P.remote(master.address, shape, n), C.remote(master.address, max(4 * nbytes * 4, 1 << 30))
+    prod, cons = P.remote(master.address, shape, n), C.remote(master.address)
     ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
     rows = {}
     # Mooncake: pipelined in windows of 4 (puts of window k+1 overlap gets of window k)
@@ -125,8 +125,9 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _temp_dir=f"/tmp/ray-bench-{os.getpid()}", runtime_env={"env_vars": {"MC_STORE_MEMCPY": args.memcpy}})
-    master = MooncakeMaster()
-    print(f"MC_STORE_MEMCPY={args.memcpy}, {args.samples} samples per shape, loopback TCP, 2 processes")
+    master = MooncakeMaster(segment_bytes=2 << 30)  # as in the job: a third process hosts the store memory
+    print(f"MC_STORE_MEMCPY={args.memcpy}, {args.samples} samples per shape, loopback TCP, producer and consumer "
+          "processes, store memory in the master's process")
     print(f"{'shape':28} {'path':22} {'GB/s':>7} {'samples/s':>10}")
     for name, shape in SHAPES.items():
         for path, (gbs, sps) in run(name, shape, args.samples, ray, master).items():

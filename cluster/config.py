@@ -90,6 +90,19 @@ class GroupConfig:
     gpus_per_node: int = 0  # 0: CPU bundles
     cpus_per_replica: float = 1.0
     cpus_per_trainer_rank: float = 1.0
+    # Bounds for the autoscaler's trainer resizes (data-parallel ranks, applied at a checkpoint
+    # boundary); None: the configured size, fixed.
+    min_trainer_ranks: int | None = None
+    max_trainer_ranks: int | None = None
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.trainer_nodes * self.trainer_ranks_per_node
+
+    def trainer_rank_bounds(self) -> tuple[int, int]:
+        n = self.trainer_ranks
+        return (n if self.min_trainer_ranks is None else self.min_trainer_ranks,
+                n if self.max_trainer_ranks is None else self.max_trainer_ranks)
 
 
 @dataclass
@@ -235,6 +248,10 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config error at `{where}`: need min_replicas <= inference_replicas <= max_replicas")
         if g.trainer_nodes < 1 or g.trainer_ranks_per_node < 1:
             raise ConfigError(f"config error at `{where}`: a group needs at least one trainer rank")
+        lo, hi = g.trainer_rank_bounds()
+        if not 1 <= lo <= g.trainer_ranks <= hi:
+            raise ConfigError(f"config error at `{where}.min_trainer_ranks`/`max_trainer_ranks`: need 1 <= min <= "
+                              f"trainer_nodes x trainer_ranks_per_node ({g.trainer_ranks}) <= max, got {lo}..{hi}")
         if cfg.device == "cuda" and g.gpus_per_node <= 0:
             raise ConfigError(f"config error at `{where}.gpus_per_node`: device=cuda needs GPUs per node")
         if cfg.device == "cuda":

@@ -58,6 +58,8 @@ class GroupRunner:
         self.stop_event = threading.Event()
         self.lock = threading.RLock()  # replicas change from the training loop and the autoscaler
         self.last_metrics: dict = {}
+        self.resize_to: int | None = None  # trainer ranks the autoscaler asked for, applied at a checkpoint
+        self.trainer_generation = 0
         self.master_generation = job.master_generation()
         self.data_wait_s = 0.0
         self.train_s = 0.0
@@ -165,7 +167,7 @@ class GroupRunner:
         return {
             "name": self.name, "replicas": len(self.replicas), "ranks": len(self.ranks),
             "min_replicas": self.gcfg.min_replicas, "max_replicas": self.gcfg.max_replicas,
-            "min_ranks": len(self.ranks), "max_ranks": len(self.ranks),
+            "min_ranks": self.gcfg.trainer_rank_bounds()[0], "max_ranks": self.gcfg.trainer_rank_bounds()[1],
             "per_replica_rate": d_prod / d_busy if d_busy > 0 and d_prod > 0 else None,
             "per_rank_rate": d_trained / (d_train * len(self.ranks)) if d_train > 0 and d_trained > 0 else None,
             "data_wait_fraction": min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
@@ -206,25 +208,28 @@ class GroupRunner:
         self.ranks = [
             self.ray.remote(TrainerRank).options(
                 num_cpus=p.spec.bundles[b].get("CPU", 1), num_gpus=p.spec.bundles[b].get("GPU", 0),
-                name=f"{self.job.cfg.run_name}-{self.name}-rank{r}",
+                name=f"{self.job.cfg.run_name}-{self.name}-rank{r}" + (f".{self.trainer_generation}" if self.trainer_generation else ""),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(p.pg, placement_group_bundle_index=b),
             ).remote(r, world, settings)
             for r, (p, b) in enumerate(placed)
         ]
         self.ray.get([r.connect_store.remote() for r in self.ranks])
 
-    def init_model(self) -> int:
-        """Fresh start (vocab mapping from the first stored samples) or resume; returns step."""
-        resume = latest_checkpoint(self.ckpt_root) if self.cfg.trainer.resume != "never" else None
+    def init_model(self, reload_from: Path | None = None) -> int:
+        """Fresh start (vocab mapping from the first stored samples) or resume; returns step.
+        `reload_from`: this run's own checkpoint, for new ranks (a resize); the live ledger stays."""
+        resume = reload_from or (latest_checkpoint(self.ckpt_root) if self.cfg.trainer.resume != "never" else None)
         if self.cfg.trainer.resume == "always" and resume is None:
             raise RuntimeError(f"trainer.resume=always but no checkpoint under {self.ckpt_root}")
         if resume is not None:
-            state = json.loads((resume / "ledger.json").read_text())
-            stale = self.ray.get(self.ledger.load_state_dict.remote(state, self.master_generation))
-            self.ray.get(self.ranks[0].remove_keys.remote(stale))
+            if reload_from is None:
+                state = json.loads((resume / "ledger.json").read_text())
+                stale = self.ray.get(self.ledger.load_state_dict.remote(state, self.master_generation))
+                self.ray.get(self.ranks[0].remove_keys.remote(stale))
             model_init = self.ray.get(self.ranks[0].read_drafter.remote(str(resume / "drafter")))
-            self.events.append(f"resumed from {resume}")
-            log.info("[%s] resuming from %s", self.name, resume)
+            if reload_from is None:
+                self.events.append(f"resumed from {resume}")
+                log.info("[%s] resuming from %s", self.name, resume)
         else:
             model_init = {}
             if self.cfg.drafter.draft_vocab_size:
@@ -232,7 +237,8 @@ class GroupRunner:
                 texts = [m["content"] for p in self.prompts for m in p["messages"]]
                 model_init = self.ray.get(self.ranks[0].vocab_mapping.remote(rows, texts))
         addr, port = self.ray.get(self.ranks[0].rendezvous_address.remote())
-        out = self.ray.get([r.setup.remote(addr, port, model_init, str(resume / "trainer") if resume else None)
+        resized = resume is not None and json.loads((resume / "meta.json").read_text()).get("world_size") != len(self.ranks)
+        out = self.ray.get([r.setup.remote(addr, port, model_init, str(resume / "trainer") if resume else None, resized)
                             for r in self.ranks])
         self.step = out[0]["step"]
         return self.step
@@ -254,6 +260,9 @@ class GroupRunner:
             self.supervise()
             if cfg.trainer.max_steps and self.step >= cfg.trainer.max_steps:
                 break
+            if self.resize_to is not None:
+                self.resize_trainer(self.resize_to)
+                world = len(self.ranks)
             t0 = time.perf_counter()
             lease = self.ray.get(self.ledger.lease_step.remote(self.step + 1, world, cfg.trainer.batch_tokens))
             if lease is None:
@@ -285,6 +294,46 @@ class GroupRunner:
             # The last step's samples stay uncommitted (and in the store) for the final calibration.
             if self.step % interval == 0 and not self.ray.get(self.ledger.drained.remote()):
                 self.checkpoint()
+
+    def resize_trainer(self, ranks: int) -> None:
+        """Change the data-parallel size at a checkpoint boundary: commit, stop the ranks,
+        place and start `ranks` new ones, reload the checkpoint. If the new size cannot be
+        placed, the old size is placed again (its resources were just freed)."""
+        from ray.util.placement_group import remove_placement_group
+
+        from cluster.placement import PlacementError, place, role_specs
+
+        self.resize_to = None
+        old = len(self.ranks)
+        if ranks == old:
+            return
+        ckpt = self.checkpoint()
+        for r in self.ranks:
+            self.ray.kill(r, no_restart=True)
+        for p in self.trainer_pgs:
+            remove_placement_group(p.pg)
+        timeout = self.cfg.autoscaler.placement_timeout_s
+        for size in (ranks, old):
+            self.trainer_generation += 1
+            specs = [s for s in role_specs(self.cfg, self.index, size, self.trainer_generation) if s.role == "trainer"]
+            placed = []
+            try:
+                for spec in specs:
+                    placed.append(place(spec, timeout))
+                break
+            except PlacementError as e:
+                for p in placed:
+                    remove_placement_group(p.pg)
+                if size == old:
+                    raise
+                self.events.append(f"trainer resize {old}->{ranks} not placed ({e}); staying at {old}")
+                log.warning("[%s] %s", self.name, self.events[-1])
+        self.trainer_pgs = placed
+        self.start_trainer()
+        self.init_model(reload_from=ckpt)
+        if len(self.ranks) != old:
+            self.events.append(f"trainer resized {old}->{len(self.ranks)} ranks at step {self.step}")
+            log.info("[%s] %s", self.name, self.events[-1])
 
     def finalize(self) -> dict:
         """Calibrate the confidence head on samples not yet removed, then the final checkpoint."""

@@ -188,6 +188,8 @@ class TrainingJob:
                 free = self.ray.available_resources().get(unit, 0.0)
                 for d in self.ray.get(self.autoscaler.decide.remote(signals, free)):
                     g = next(x for x in self.groups if x.name == d["group"])
+                    if g.resize_to is not None:  # a trainer resize is under way: its rates are stale
+                        continue
                     if d["action"] == "add_replica":
                         try:
                             rid = g.add_replica()
@@ -204,9 +206,10 @@ class TrainingJob:
                         self._request_resources(g, d["reason"])
                         continue
                     elif d["action"] == "resize_trainer":
-                        print(f"[autoscaler] {g.name}: trainer resize to {d['target_ranks']} ranks requested "
-                              f"({d['reason']}); not applied: this topology fixes the trainer size", flush=True)
-                        continue
+                        g.resize_to = d["target_ranks"]  # the training loop applies it at a checkpoint
+                        print(f"[autoscaler] {g.name}: trainer {len(g.ranks)}->{d['target_ranks']} ranks ({d['reason']})",
+                              flush=True)
+                        d["action"] = "grow_trainer" if d["target_ranks"] > len(g.ranks) else "shrink_trainer"
                     else:
                         continue
                     self.ray.get(self.autoscaler.applied.remote(g.name, d["action"]))
@@ -301,7 +304,7 @@ class TrainingJob:
                     self.ray.get(self.master.stop.remote(), timeout=30)
                 except Exception:  # noqa: BLE001
                     pass
-            release(placed)
+            release(placed + [p for g in self.groups for p in g.trainer_pgs if p not in placed])
             if self.wandb is not None:
                 self.wandb.finish()
 

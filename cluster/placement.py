@@ -34,6 +34,7 @@ class RoleSpec:
     strategy: str
     nodes: int  # how many nodes the bundles must span
     run: str = ""  # placement group names are cluster-wide: two jobs (or one job's runs) must not clash
+    generation: int = 0  # bumped when a role is placed anew (a resized trainer) while the old one may linger
 
     @property
     def label(self) -> str:
@@ -42,7 +43,8 @@ class RoleSpec:
     @property
     def name(self) -> str:
         """The placement group's name."""
-        return f"{self.run}/{self.label}" if self.run else self.label
+        name = f"{self.run}/{self.label}" if self.run else self.label
+        return f"{name}.{self.generation}" if self.generation else name
 
 
 @dataclass
@@ -67,23 +69,28 @@ class Placed:
         return out
 
 
-def role_specs(cfg: JobConfig, group_index: int | None = None) -> list[RoleSpec]:
+def role_specs(cfg: JobConfig, group_index: int | None = None, trainer_ranks: int | None = None,
+               generation: int = 0) -> list[RoleSpec]:
+    """One placement group per inference replica and one per trainer node. `trainer_ranks`
+    (with `group_index`) asks for a resized trainer: full nodes of `trainer_ranks_per_node`
+    ranks and the remainder on one more; `generation` keeps its placement group names new."""
     specs = []
     for gi, g in enumerate(cfg.topology.groups):
         if group_index is not None and gi != group_index:
             continue
         t = cfg.target
+        rank = {"GPU": 1.0, "CPU": g.cpus_per_trainer_rank} if g.gpus_per_node > 0 else {"CPU": g.cpus_per_trainer_rank}
         if g.gpus_per_node > 0:
             per_replica = [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(g.gpus_per_node * t.nodes_per_replica)]
-            trainer = [{"GPU": 1.0, "CPU": g.cpus_per_trainer_rank} for _ in range(g.trainer_ranks_per_node)]
         else:
             per_replica = [{"CPU": g.cpus_per_replica}]
-            trainer = [{"CPU": g.cpus_per_trainer_rank} for _ in range(g.trainer_ranks_per_node)]
         for r in range(g.inference_replicas):
             specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1,
                                   cfg.run_name))
-        for n in range(g.trainer_nodes):
-            specs.append(RoleSpec(g.name, "trainer", n, trainer, "STRICT_PACK", 1, cfg.run_name))
+        total = g.trainer_nodes * g.trainer_ranks_per_node if trainer_ranks is None else trainer_ranks
+        for n, start in enumerate(range(0, total, g.trainer_ranks_per_node)):
+            bundles = [dict(rank) for _ in range(min(g.trainer_ranks_per_node, total - start))]
+            specs.append(RoleSpec(g.name, "trainer", n, bundles, "STRICT_PACK", 1, cfg.run_name, generation))
     return specs
 
 
@@ -176,7 +183,10 @@ def release(placed: list[Placed]) -> None:
     from ray.util.placement_group import remove_placement_group
 
     for p in placed:
-        remove_placement_group(p.pg)
+        try:
+            remove_placement_group(p.pg)
+        except Exception:  # noqa: BLE001 - already removed (a resized trainer's old group)
+            pass
 
 
 def describe(placed: list[Placed]) -> str:

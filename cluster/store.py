@@ -138,8 +138,9 @@ def sample_parts(sample: Sample) -> list:
     return parts
 
 
-def sample_from_buffer(ref: SampleRef, buf: torch.Tensor) -> Sample:
-    """Tensors viewing `buf` (uint8, at least `ref.nbytes`); copy them before reusing `buf`."""
+def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False) -> Sample:
+    """From `buf` (uint8, at least `ref.nbytes`). Without `copy` the hidden states view `buf`:
+    copy them before reusing it."""
     h_n, i_n, m_n = ref.sections
     t = ref.num_tokens
     hidden = buf[:h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
@@ -147,7 +148,7 @@ def sample_from_buffer(ref: SampleRef, buf: torch.Tensor) -> Sample:
     ids = buf[o : o + i_n].view(torch.int32).long()
     o += _aligned(i_n)
     mask = buf[o : o + m_n].bool()
-    return Sample(ids, mask, hidden, list(ref.layer_ids))
+    return Sample(ids, mask, hidden.clone() if copy else hidden, list(ref.layer_ids))
 
 
 def probe(address: str, timeout: float = 2.0) -> bool:
@@ -244,6 +245,8 @@ class HiddenStateStore:
 
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
+        # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
+        # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).
         ref = SampleRef.for_sample(key, sample)
         parts = sample_parts(sample)
         raise_for("upsert", self._call(lambda c: c.upsert_parts(key, *parts)), key)
@@ -285,8 +288,7 @@ class HiddenStateStore:
                 raise_for("get", rc, r.key)
                 if rc != r.nbytes:
                     raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
-                s = sample_from_buffer(r, buf[o : o + r.nbytes])
-                out.append(Sample(s.token_ids.clone(), s.loss_mask.clone(), s.hidden_states.clone(), s.layer_ids))
+                out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=True))  # ids and mask are copies already
             return out
 
     def get_sample(self, ref: SampleRef) -> Sample:

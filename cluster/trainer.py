@@ -131,8 +131,14 @@ class TrainerRank:
     def rendezvous_address(self) -> tuple[str, int]:
         return node_ip(), free_port()
 
-    def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None) -> dict:
-        """Create the process group, the drafter and the engine; optionally resume."""
+    def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None,
+              resized: bool = False) -> dict:
+        """Create the process group, the drafter and the engine; optionally resume.
+
+        `resized`: the checkpoint was written by a different data-parallel size. DeepSpeed cannot
+        re-partition ZeRO optimizer state across a new world size (and its universal-checkpoint
+        converter needs Megatron metadata), so the weights and the LR schedule carry over and
+        Adam's moments restart; the fp32 master weights come from the module's copy."""
         import deepspeed
 
         from dspark.losses import LossWeights
@@ -166,9 +172,12 @@ class TrainerRank:
             self.connect_store()
         step = 0
         if resume:
-            _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False)
+            _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False,
+                                                    load_optimizer_states=not resized)
             step = int(client["step"])
-            self.objective.generator.set_state(client["anchor_rng"][self.rank])
+            saved = client["anchor_rng"]
+            if self.rank < len(saved):  # a rank added by a resize keeps its fresh seed
+                self.objective.generator.set_state(saved[self.rank])
         return {"step": step, "rank": self.rank, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
     def reconnect_store(self) -> None:

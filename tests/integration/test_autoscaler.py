@@ -59,3 +59,16 @@ def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir,
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:remove_replica" in applied, history
     assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 60}
+
+
+def test_slow_trainer_grows_at_a_checkpoint(ray_cluster, smol_target, replay_dir, tmp_path):
+    # Fast producers, a throttled single-rank trainer that may grow to two ranks: the plan adds a
+    # rank; the resize checkpoints, restarts the DeepSpeed group with world size 2 and resumes.
+    result, history = run(tmp_path, replay_dir, "grow", [
+        "data.max_prompts=120", "topology.groups.0.inference_replicas=2", "topology.groups.0.max_trainer_ranks=2",
+        "trainer.throttle_s=0.5"])
+    applied = [h["action"] for h in history if h["action"].startswith("applied:")]
+    assert "applied:grow_trainer" in applied, history
+    g = result["groups"]["g0"]
+    assert any("trainer resized 1->2" in e for e in g["events"]), g["events"]
+    assert g["exactly_once"]["per_epoch"] == {"0": 120} and g["exactly_once"]["failed"] == []
