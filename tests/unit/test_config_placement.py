@@ -63,6 +63,14 @@ def test_roles_for_production_topology():
     assert len(tr) == 4 and all(len(s.bundles) == 4 and s.strategy == "STRICT_PACK" for s in tr)
 
 
+def test_resized_trainer_fills_whole_nodes_first():
+    k3 = load_config(ROOT / "configs" / "kimi_k3.yaml", ["run_name=k3"])
+    tr = [s for s in role_specs(k3, 1, trainer_ranks=6, generation=2) if s.role == "trainer"]
+    assert [len(s.bundles) for s in tr] == [4, 2] and all(s.group == "g1" for s in tr)
+    assert [s.name for s in tr] == ["k3/g1/trainer0.2", "k3/g1/trainer1.2"]  # never a live group's name
+    assert [s.name for s in role_specs(k3, 1) if s.role == "trainer"] == ["k3/g1/trainer0"]
+
+
 def test_bundles_sorted_by_node():
     # PACK placed bundles 0,1,4,5 on node A and 2,3,6,7 on node B
     assert sort_bundles_by_node(list("AABBAABB")) == [0, 1, 4, 5, 2, 3, 6, 7]
