@@ -129,12 +129,15 @@ class TrainingJob:
         ))
 
     # ---- progress ----------------------------------------------------------------------
+    def _publish_train(self, group: str, m: dict) -> None:
+        for k in ("loss", "ce", "l1", "confidence_bce", "expected_tau", "greedy_tau", "lr"):
+            if m.get(k) is not None:
+                self.metrics.gauge(f"train_{k}", m[k], group=group)
+
     def on_step(self, group: str, step: int, metrics: list[dict]) -> None:
         m = metrics[0]
         tags = {"group": group}
-        for k in ("loss", "ce", "l1", "confidence_bce", "expected_tau", "greedy_tau", "lr"):
-            if m.get(k) is not None:
-                self.metrics.gauge(f"train_{k}", m[k], **tags)
+        self._publish_train(group, m)
         self.metrics.count("train_steps", 1, **tags)
         self.metrics.count("trained_tokens", sum(x.get("tokens", 0) for x in metrics), **tags)
         if self.wandb is not None:
@@ -332,6 +335,12 @@ class TrainingJob:
         primary = results["groups"][self.groups[0].name]["final"]
         results["evaluation"] = self.evaluate(primary)
         results["tau"] = results["evaluation"]["tau"]
+        # Final values once more, fresh for whoever looks after the job: Ray drops series that
+        # nobody has set for a while, and training ended before the evaluation.
+        self.progress()
+        for g in self.groups:
+            self._publish_train(g.name, g.last_metrics)
+        self.metrics.gauge("heldout_tau", results["tau"])
         (self.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
         return results
 

@@ -1,7 +1,7 @@
 """A small wrapper over `ray.util.metrics`: metrics by name, created on first use, with the
 job's tags attached, so call sites stay one line (`metrics.gauge("queue_depth", 12, group="g0")`).
 
-Every metric is exported as `dspark_<name>` on the node's Prometheus endpoint, which the Ray
+Every metric is exported as `ray_dspark_<name>` (Ray adds `ray_`) on the node's Prometheus endpoint, which the Ray
 dashboard's metrics view reads.
 """
 

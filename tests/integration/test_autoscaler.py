@@ -45,10 +45,12 @@ def run(tmp_path, replay_dir, name, overrides):
 
 
 def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
-    result, history = run(tmp_path, replay_dir, "scale-up", ["data.max_prompts=60", "inference.replay_samples_per_s=3"])
+    # Enough prompts that the starving phase outlasts the trainer's start-up, during which the
+    # first ~48 samples pile up to the high watermark.
+    result, history = run(tmp_path, replay_dir, "scale-up", ["data.max_prompts=100", "inference.replay_samples_per_s=2"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:add_replica" in applied, history
-    assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 60}
+    assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 100}
 
 
 def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
