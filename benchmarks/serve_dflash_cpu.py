@@ -44,10 +44,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from dspark import evaluate
     from dspark.checkpoint import export_dflash_backbone, load_drafter
     from dspark.prompts import read_conversations
     from dspark.targets import load_target, render_prompt
+    from vllm_spec import reference_eval
 
     work = Path(tempfile.mkdtemp(prefix="dspark-serve-"))
     backbone = export_dflash_backbone(load_drafter(args.drafter, args.target), work / "dflash")
@@ -56,12 +56,7 @@ def main() -> None:
     _, tok = load_target(args.target)
     prompts = [render_prompt(tok, c.prompt_messages) for c in convs]
     k = json.loads((backbone / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    ours_json = work / "ours.json"
-    subset = work / "prompts.jsonl"
-    subset.write_text("".join(json.dumps({"id": c.id, "messages": c.prompt_messages}) + "\n" for c in convs))
-    evaluate.main(["--target", args.target, "--drafter", str(backbone), "--prompts", str(subset),
-                   "--max-new-tokens", str(args.max_new_tokens), "--json", str(ours_json)])
-    ours = json.loads(ours_json.read_text())
+    ours = reference_eval(args.target, str(backbone), convs, args.max_new_tokens)
     base, theirs = vllm_runs(args.target, str(backbone), prompts, k, args.max_new_tokens)
     lossless = theirs["outputs"] == base["outputs"]
     print(f"\nDSpark backbone served as vLLM `dflash` on CPU, greedy, k={k}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
@@ -73,7 +68,7 @@ def main() -> None:
     print(f"tokens/s: target only {base['tokens_per_s']:.1f}, with dflash {theirs['tokens_per_s']:.1f}")
     result = {"vllm": {k2: v for k2, v in theirs.items() if k2 != "outputs"}, "vllm_lossless": lossless,
               "vllm_target_only_tokens_per_s": base["tokens_per_s"],
-              "ours": {k2: v for k2, v in ours.items() if k2 != "requests"}}
+              "ours": ours}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

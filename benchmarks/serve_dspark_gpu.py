@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +41,7 @@ def main() -> int:
 
     from dspark.prompts import read_conversations
     from dspark.targets import load_target, render_prompt
-    from vllm_spec import generate
+    from vllm_spec import generate, reference_eval
 
     if not torch.cuda.is_available():
         print("no CUDA device: DSpark execution in vLLM is GPU-only", file=sys.stderr)
@@ -73,17 +72,10 @@ def main() -> int:
     result = {"k": k, "target_only": {x: v for x, v in base.items() if x != "outputs"},
               "dspark": {x: v for x, v in spec.items() if x != "outputs"}, "lossless": lossless}
     if args.reference:
-        from dspark import evaluate
-
-        work = Path(tempfile.mkdtemp(prefix="dspark-serve-gpu-"))
-        subset = work / "prompts.jsonl"
-        subset.write_text("".join(json.dumps({"id": c.id, "messages": c.prompt_messages}) + "\n" for c in convs))
-        evaluate.main(["--target", args.target, "--drafter", args.drafter, "--prompts", str(subset),
-                       "--max-new-tokens", str(args.max_new_tokens), "--json", str(work / "ours.json")])
-        ours = json.loads((work / "ours.json").read_text())
+        ours = reference_eval(args.target, args.drafter, convs, args.max_new_tokens)
         print(f"dspark.evaluate  tau {ours['tau']:.3f}  per-position "
               + " ".join(f"{a:.2f}" for a in ours["per_position_acceptance"]))
-        result["reference"] = {x: v for x, v in ours.items() if x != "requests"}
+        result["reference"] = ours
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if lossless else 1

@@ -1,9 +1,13 @@
-"""Run vLLM's offline engine on token-id prompts, with or without a speculative config, and read
-its acceptance counters back (shared by the serving benchmarks)."""
+"""Shared by the serving benchmarks: run vLLM's offline engine on token-id prompts, with or
+without a speculative config, and read its acceptance counters back; run our reference
+decoder (`dspark.evaluate`) on the same conversations."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
+from pathlib import Path
 
 
 def generate(target: str, prompts: list[list[int]], max_new: int, speculative_config: dict | None = None,
@@ -30,3 +34,17 @@ def generate(target: str, prompts: list[list[int]], max_new: int, speculative_co
     return {"tau": 1 + accepted / drafts if drafts else None, "drafts": drafts, "accepted": accepted,
             "per_position_acceptance": [a / drafts for a in per_pos] if per_pos and drafts else None,
             "outputs": outputs, "tokens_per_s": sum(map(len, outputs)) / dt}
+
+
+def reference_eval(target: str, drafter: str, convs: list, max_new: int) -> dict:
+    """`dspark.evaluate` on exactly these conversations (its JSON, without per-request rows)."""
+    from dspark import evaluate
+
+    work = Path(tempfile.mkdtemp(prefix="dspark-reference-"))
+    subset = work / "prompts.jsonl"
+    subset.write_text("".join(json.dumps({"id": c.id, "messages": c.prompt_messages}) + "\n" for c in convs))
+    evaluate.main(["--target", target, "--drafter", drafter, "--prompts", str(subset),
+                   "--max-new-tokens", str(max_new), "--json", str(work / "ours.json")])
+    out = json.loads((work / "ours.json").read_text())
+    out.pop("requests", None)
+    return out

@@ -164,10 +164,11 @@ class GroupRunner:
         window.update(produced=produced, busy=busy, trained=trained, train_s=self.train_s, wait_s=self.data_wait_s,
                       t=time.monotonic())
         seg = self.cfg.transport.segment_mb << 20
+        min_ranks, max_ranks = self.gcfg.trainer_rank_bounds()
         return {
             "name": self.name, "replicas": len(self.replicas), "ranks": len(self.ranks),
             "min_replicas": self.gcfg.min_replicas, "max_replicas": self.gcfg.max_replicas,
-            "min_ranks": self.gcfg.trainer_rank_bounds()[0], "max_ranks": self.gcfg.trainer_rank_bounds()[1],
+            "min_ranks": min_ranks, "max_ranks": max_ranks,
             "per_replica_rate": d_prod / d_busy if d_busy > 0 and d_prod > 0 else None,
             "per_rank_rate": d_trained / (d_train * len(self.ranks)) if d_train > 0 and d_trained > 0 else None,
             "data_wait_fraction": min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
