@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,7 +69,6 @@ class TrainingJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.metrics = Metrics(tags={"run": cfg.run_name})
-        self.start_time = time.time()
         self.groups = []
         self.master = None
         self.wandb = None
@@ -146,7 +144,6 @@ class TrainingJob:
 
     def progress(self) -> str:
         lines = []
-        elapsed = time.time() - self.start_time
         for g in self.groups:
             c = g.counts()
             tags = {"group": g.name}
@@ -159,9 +156,8 @@ class TrainingJob:
             gen_rate = sum(s["tokens_per_s"] for s in stats)
             self.metrics.gauge("inference_tokens_per_s", gen_rate, **tags)
             self.metrics.gauge("inference_replicas", len(g.replicas), **tags)
-            train_rate = c.get("trained_tokens", 0) / max(elapsed, 1e-9)
             done = c["trained"] + c["leased"]
-            eta = (c["total"] - done) * elapsed / done if done else float("nan")
+            eta = self._eta(g, c, gen_rate)
             m = g.last_metrics
             lines.append(
                 f"[progress] {g.name} step {g.step} | trained {c['trained']}+{c['leased']} leased / {c['total']} "
@@ -171,6 +167,19 @@ class TrainingJob:
                 f"| ETA {eta / 60:.1f} min"
             )
         return "\n".join(lines)
+
+    @staticmethod
+    def _eta(g, c: dict, gen_rate: float) -> float:
+        """Seconds until the slower of generation (what is left, at the current rate) and
+        training (what is left, at the trainer's own pace, data waits excluded) is done."""
+        done = c["trained"] + c["leased"]
+        if not done or not g.step:
+            return float("nan")
+        to_generate = c["to_generate"]
+        tokens_per_sample = c.get("produced_tokens", 0) / max(c.get("produced_samples", 0), 1)
+        gen_s = to_generate * tokens_per_sample / gen_rate if to_generate and gen_rate > 0 else 0.0
+        train_s = (c["total"] - done) / (done / g.step) * (g.train_s / g.step)
+        return max(gen_s, train_s)
 
     def _autoscale_loop(self, stop: threading.Event) -> None:
         """Feed the Autoscaler actor each group's signals and apply what it decides."""

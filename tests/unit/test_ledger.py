@@ -156,3 +156,39 @@ def test_greedy_epochs_reuse_stored_samples():
         removed += ledger.commit(step)
     assert sorted(removed) == sorted(p["key"] for p in handed)  # dropped after the last epoch only
     assert ledger.verify_exactly_once()["per_epoch"] == {"0": 3, "1": 3, "2": 3}
+
+
+def test_later_epochs_wait_for_every_sample_of_the_current_one():
+    ledger = SampleLedger("g0", prompts(6), epochs=2, reuse_across_epochs=True)
+    first = ledger.request_prompts("r0", 2)  # a slow replica: only two samples exist so far
+    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in first])
+    lease = ledger.lease_step(1, 1, 1000)
+    assert sorted(r["uid"] for r in lease[0]) == ["p0@0", "p1@0"]
+    assert ledger.counts()["to_generate"] == 4  # the rest of epoch 0; epoch 1 reuses it all
+    assert ledger.entries["p0@1"].state == STORED  # its next epoch reuses the sample...
+    assert ledger.lease_step(2, 1, 1000) is None  # ...but waits until epoch 0 is all leased
+    rest = ledger.request_prompts("r0", 10)
+    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in rest])
+    assert sorted(r["uid"] for r in ledger.lease_step(2, 1, 1000)[0]) == [f"p{i}@0" for i in range(2, 6)]
+    epoch1 = [r["uid"] for r in ledger.lease_step(3, 1, 1000)[0]]
+    assert sorted(epoch1) == [f"p{i}@1" for i in range(6)]
+    assert epoch1 == [u for u in ledger.order if u.endswith("@1")]
+    assert epoch1 != sorted(epoch1)  # shuffled, deterministically by the seed
+    assert [u for u in SampleLedger("g0", prompts(6), epochs=2).order if u.endswith("@1")] == epoch1
+
+
+def test_a_full_store_lifts_the_epoch_wait():
+    # The store holds two samples: they and their reused next epochs must be trainable, or
+    # producers (paused) and the trainer (waiting for epoch 0) would wait on each other.
+    ledger = SampleLedger("g0", prompts(4), epochs=2, reuse_across_epochs=True,
+                          high_watermark_bytes=2000, low_watermark_bytes=0)
+    first = ledger.request_prompts("r0", 2)
+    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1000} for p in first])
+    assert ledger.request_prompts("r0", 2) == []  # paused
+    ledger.lease_step(1, 1, 1000)
+    ledger.commit(1)
+    assert ledger.counts()["paused"]  # epoch 1 still holds both samples
+    lease = ledger.lease_step(2, 1, 1000)
+    assert sorted(r["uid"] for r in lease[0]) == ["p0@1", "p1@1"]
+    assert sorted(ledger.commit(2)) == sorted(p["key"] for p in first)
+    assert len(ledger.request_prompts("r0", 2)) == 2  # room again
