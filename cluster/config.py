@@ -127,7 +127,10 @@ class TransportConfig:
 @dataclass
 class TrainerConfig:
     zero_stage: int = 1
-    precision: str = "bf16"  # bf16 | fp32
+    # bf16-mixed: bf16 autocast over fp32 weights, gradients and optimizer state (as offline
+    # training); bf16: DeepSpeed's bf16 mode (bf16 weights and gradients, fp32 master copy in
+    # the optimizer; half the weight memory); fp32.
+    precision: str = "bf16-mixed"
     batch_tokens: int = 16384
     lr: float = 6e-4
     weight_decay: float = 0.01
@@ -197,7 +200,7 @@ CHOICES = {
     "drafter.mode": ("dspark", "dflash"),
     "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
     "transport.protocol": ("tcp", "rdma"),
-    "trainer.precision": ("bf16", "fp32"),
+    "trainer.precision": ("bf16-mixed", "bf16", "fp32"),
     "trainer.resume": ("auto", "never", "always"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "inference.backend": ("vllm", "replay"),

@@ -167,6 +167,7 @@ class TrainerRank:
         self.objective = DrafterObjective(
             model, LossWeights(d["ce_weight"], d["l1_weight"], d["confidence_weight"], d["decay"]), d["num_anchors"],
             seed=t["seed"] + 1000 * self.rank,
+            autocast_dtype=torch.bfloat16 if t["precision"] == "bf16-mixed" else None,
         )
         if self.store is None:
             self.connect_store()
@@ -199,7 +200,8 @@ class TrainerRank:
             except (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable):
                 missing.append(row["uid"])
         if samples and not missing:
-            dtype = torch.bfloat16 if self.s.trainer["precision"] == "bf16" else torch.float32
+            # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
+            dtype = torch.float32 if self.s.trainer["precision"] == "fp32" else torch.bfloat16
             self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype)
         self.data_wait_s += time.perf_counter() - t0
         return missing
