@@ -20,6 +20,7 @@ from cluster.config import JobConfig
 from cluster.placement import Placed
 
 log = logging.getLogger("dspark.group")
+VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -50,6 +51,7 @@ class GroupRunner:
             low_watermark_bytes=int(seg * cfg.transport.low_watermark),
             reuse_across_epochs=cfg.data.reuse_samples_across_epochs
             if cfg.data.reuse_samples_across_epochs is not None else cfg.sampling.temperature == 0,
+            shuffle_seed=cfg.trainer.seed,
         )
         self.replicas: dict[str, tuple[object, object, Placed]] = {}  # id -> (actor, serve ref, placement)
         self.replica_seq = 0
@@ -234,7 +236,10 @@ class GroupRunner:
         else:
             model_init = {}
             if self.cfg.drafter.draft_vocab_size:
-                rows = self.wait_for_samples(min(16, self.job.num_prompts))
+                # More answers cover more of what the drafter will predict (on the default
+                # prompts, 64 instead of 16 draft-vocab ~94 % of held-out answer tokens instead
+                # of 92 %); waiting costs little: epoch 0 can only be trained as it arrives.
+                rows = self.wait_for_samples(min(VOCAB_SAMPLES, self.job.num_prompts))
                 texts = [m["content"] for p in self.prompts for m in p["messages"]]
                 model_init = self.ray.get(self.ranks[0].vocab_mapping.remote(rows, texts))
         addr, port = self.ray.get(self.ranks[0].rendezvous_address.remote())
@@ -248,7 +253,8 @@ class GroupRunner:
         while True:
             rows = self.ray.get(self.ledger.peek_stored.remote(n))
             counts = self.ray.get(self.ledger.counts.remote())
-            if len(rows) >= n or (rows and counts["pending"] == 0 and counts["generating"] == 0):
+            # A full store (producers paused) or nothing left to generate: take what there is.
+            if len(rows) >= n or (rows and (counts["paused"] or counts["to_generate"] == 0)):
                 return rows
             self.supervise()
             time.sleep(0.5)
