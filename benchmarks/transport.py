@@ -124,9 +124,11 @@ def main() -> None:
     from cluster.master import MooncakeMaster
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=f"/tmp/ray-bench-{os.getpid()}", runtime_env={"env_vars": {"MC_STORE_MEMCPY": args.memcpy}})
+             _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
+             runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("MC_")}})
     master = MooncakeMaster(segment_bytes=2 << 30)  # as in the job: a third process hosts the store memory
-    print(f"MC_STORE_MEMCPY={args.memcpy}, {args.samples} samples per shape, loopback TCP, producer and consumer "
+    knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MC_"))
+    print(f"{knobs}, {args.samples} samples per shape, loopback TCP, producer and consumer "
           "processes, store memory in the master's process")
     print(f"{'shape':28} {'path':22} {'GB/s':>7} {'samples/s':>10}")
     for name, shape in SHAPES.items():
