@@ -215,7 +215,7 @@ class TrainingJob:
                             continue
                         print(f"[autoscaler] {g.name}: removed replica {rid} ({d['reason']})", flush=True)
                     elif d["action"] == "wait_resources":
-                        self._request_resources(g, d["reason"])
+                        self._request_resources(g, d["reason"], d.get("target_ranks"))
                         continue
                     elif d["action"] == "resize_trainer":
                         g.resize_to = d["target_ranks"]  # the training loop applies it at a checkpoint
@@ -228,13 +228,16 @@ class TrainingJob:
             except Exception as e:  # noqa: BLE001 - scaling must never kill training
                 log.warning("autoscaler round failed: %r", e)
 
-    def _request_resources(self, g, reason: str) -> None:
+    def _request_resources(self, g, reason: str, trainer_ranks: int | None = None) -> None:
+        """Ask Ray's cluster autoscaler for room for `g` with one more replica, or with
+        `trainer_ranks` trainer ranks; the other groups as they are."""
         from ray.autoscaler.sdk import request_resources
 
-        from cluster.placement import role_specs
+        from cluster.placement import cluster_request
 
-        spec = next(s for s in role_specs(self.cfg, g.index) if s.role == "inference")
-        request_resources(bundles=[dict(b) for b in spec.bundles] * (len(g.replicas) + 1))
+        shapes = [(len(x.replicas), len(x.ranks)) for x in self.groups]
+        shapes[g.index] = (len(g.replicas), trainer_ranks) if trainer_ranks else (len(g.replicas) + 1, len(g.ranks))
+        request_resources(bundles=cluster_request(self.cfg, shapes))
         print(f"[autoscaler] {g.name}: waiting for resources ({reason}); asked Ray's cluster autoscaler", flush=True)
 
     def _progress_loop(self, stop: threading.Event) -> None:

@@ -69,6 +69,26 @@ class Placed:
         return out
 
 
+def replica_bundles(cfg: JobConfig, group_index: int) -> list[dict]:
+    """One inference replica's bundles: one per GPU of its `nodes_per_replica` nodes, or one CPU
+    bundle on a CPU-only group."""
+    g = cfg.topology.groups[group_index]
+    if g.gpus_per_node > 0:
+        return [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(g.gpus_per_node * cfg.target.nodes_per_replica)]
+    return [{"CPU": g.cpus_per_replica}]
+
+
+def cluster_request(cfg: JobConfig, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Every bundle the job needs with (replicas, trainer ranks) per group, for Ray's
+    `request_resources`: it sizes the cluster so that the listed bundles fit in total, running
+    work included, and each call replaces the last, so it lists the whole job, not the increment."""
+    bundles = []
+    for gi, (replicas, ranks) in enumerate(shapes):
+        bundles += [dict(b) for _ in range(replicas) for b in replica_bundles(cfg, gi)]
+        bundles += [dict(b) for s in role_specs(cfg, gi, ranks) if s.role == "trainer" for b in s.bundles]
+    return bundles
+
+
 def role_specs(cfg: JobConfig, group_index: int | None = None, trainer_ranks: int | None = None,
                generation: int = 0) -> list[RoleSpec]:
     """One placement group per inference replica and one per trainer node. `trainer_ranks`
@@ -80,10 +100,7 @@ def role_specs(cfg: JobConfig, group_index: int | None = None, trainer_ranks: in
             continue
         t = cfg.target
         rank = {"GPU": 1.0, "CPU": g.cpus_per_trainer_rank} if g.gpus_per_node > 0 else {"CPU": g.cpus_per_trainer_rank}
-        if g.gpus_per_node > 0:
-            per_replica = [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(g.gpus_per_node * t.nodes_per_replica)]
-        else:
-            per_replica = [{"CPU": g.cpus_per_replica}]
+        per_replica = replica_bundles(cfg, gi)
         for r in range(g.inference_replicas):
             specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1,
                                   cfg.run_name))

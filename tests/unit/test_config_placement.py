@@ -75,3 +75,35 @@ def test_bundles_sorted_by_node():
     # PACK placed bundles 0,1,4,5 on node A and 2,3,6,7 on node B
     assert sort_bundles_by_node(list("AABBAABB")) == [0, 1, 4, 5, 2, 3, 6, 7]
     assert sort_bundles_by_node(list("BAAB")) == [0, 3, 1, 2]
+
+
+def test_cluster_request_lists_the_whole_job():
+    from cluster.placement import cluster_request
+
+    k3 = load_config(ROOT / "configs" / "kimi_k3.yaml")
+    now = [(1, 4)] * 4  # 4 groups x (one TP-8 replica over two 4-GPU nodes, one 4-GPU trainer node)
+    assert sum(b.get("GPU", 0) for b in cluster_request(k3, now)) == 48
+    more = cluster_request(k3, [(2, 4)] + now[1:])  # one more replica in g0: 8 GPUs more, all of it listed
+    assert sum(b.get("GPU", 0) for b in more) == 56 and len(more) == 56
+    grown = cluster_request(k3, [(1, 8)] + now[1:])  # g0's trainer on two nodes
+    assert sum(b.get("GPU", 0) for b in grown) == 52
+    local = load_config(ROOT / "configs" / "local.yaml")
+    assert cluster_request(local, [(1, 1)]) == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_resource_request_for_a_trainer_wait_asks_trainer_bundles(monkeypatch):
+    from types import SimpleNamespace
+
+    import ray.autoscaler.sdk as sdk
+
+    from cluster.job import TrainingJob
+
+    asked = []
+    monkeypatch.setattr(sdk, "request_resources", lambda bundles: asked.append(bundles))
+    job = TrainingJob.__new__(TrainingJob)
+    job.cfg = load_config(ROOT / "configs" / "kimi_k3.yaml")
+    job.groups = [SimpleNamespace(index=i, name=f"g{i}", replicas={"r0": None}, ranks=[0] * 4) for i in range(4)]
+    job._request_resources(job.groups[1], "trainer 4->8 ranks needs GPUs", trainer_ranks=8)
+    job._request_resources(job.groups[1], "starving")
+    gpus = [sum(b.get("GPU", 0) for b in a) for a in asked]
+    assert gpus == [52, 56]  # 48 running + 4 trainer GPUs; 48 + one 8-GPU replica
