@@ -176,6 +176,7 @@ class GroupRunner:
             "data_wait_fraction": min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
             "queue_samples": c["stored"], "queue_bytes": c["queued_bytes"],
             "high_watermark_bytes": int(seg * self.cfg.transport.high_watermark), "producers_paused": c["paused"],
+            "trainer_running": self.train_s > 0,
         }
 
     def stop_replicas(self) -> None:

@@ -36,6 +36,9 @@ class GroupState:
     queue_bytes: int = 0
     high_watermark_bytes: int = 1 << 62
     producers_paused: bool = False
+    # A full queue before the trainer's first step says nothing about balance (it is still
+    # starting: loading, counting the draft vocabulary): no replica is removed for it.
+    trainer_running: bool = True
 
     def throughput(self, replicas: int | None = None, ranks: int | None = None) -> float:
         r = self.replicas if replicas is None else replicas
@@ -125,7 +128,8 @@ class ScalingPolicy:
             # The direct signals always count; the measured plan adds moves that pay and vetoes
             # moves against it (e.g. no replica added to a group the plan wants smaller).
             starving = g.data_wait_fraction > self.starving and g.queue_samples <= 1
-            flooded = (g.producers_paused or g.queue_bytes > g.high_watermark_bytes) and g.data_wait_fraction < 0.05
+            flooded = (g.producers_paused or g.queue_bytes > g.high_watermark_bytes) and g.data_wait_fraction < 0.05 \
+                and g.trainer_running
             reason_up = f"trainer starving: waits {g.data_wait_fraction:.0%} of the time, queue {g.queue_samples}"
             reason_down = "queue above the high watermark with producers idle"
             want_r, want_d = target.get(g.name, (g.replicas, g.ranks))
@@ -153,7 +157,8 @@ class ScalingPolicy:
                     action = Decision(g.name, "add_replica", reason_up, inputs=inputs)
             elif resize and want_d > g.ranks:
                 if free_gpus < want_d - g.ranks:
-                    action = Decision(g.name, "wait_resources", f"trainer {g.ranks}->{want_d} ranks needs GPUs; {free_gpus} free", inputs=inputs)
+                    action = Decision(g.name, "wait_resources", f"trainer {g.ranks}->{want_d} ranks needs GPUs; {free_gpus} free",
+                                      target_ranks=want_d, inputs=inputs)
                 else:
                     action = Decision(g.name, "resize_trainer", f"balance: trainer {g.ranks}->{want_d} ranks at the next checkpoint",
                                       target_ranks=want_d, inputs=inputs)

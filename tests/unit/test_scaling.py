@@ -41,6 +41,8 @@ def test_starving_trainer_adds_a_replica_after_the_delay():
 def test_flood_removes_a_replica_and_cooldown_blocks_reversal():
     p = ScalingPolicy(scale_up_delay_s=0, scale_down_delay_s=0, cooldown_s=30, gpus_per_replica=1)
     flooded = GroupState("g0", 2, 1, 1, 3, 1, 1, producers_paused=True, queue_bytes=100, high_watermark_bytes=50)
+    starting = GroupState("g0", 2, 1, 1, 3, 1, 1, producers_paused=True, trainer_running=False)
+    assert p.decide([starting], 0, 0.0)[0].action == "none"  # no verdict before the trainer runs
     assert p.decide([flooded], 0, 0.0)[0].action == "remove_replica"
     p.applied("g0", 0.0, "down")
     starving = GroupState("g0", 1, 1, 1, 3, 1, 1, data_wait_fraction=0.9)
