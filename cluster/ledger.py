@@ -130,7 +130,10 @@ class SampleLedger:
         return f"{self.key_prefix}/{self.group}/{e.prompt_id}@{e.epoch}.{e.attempts}"
 
     def queued_bytes(self) -> int:
-        return sum(e.nbytes for e in self._in(STORED, LEASED))
+        """Bytes held in the store for untrained samples; a reused sample (its lease and its next
+        epoch's entry share one key) counts once."""
+        held = {(e.ref or {}).get("key", e.uid): e.nbytes for e in self._in(STORED, LEASED)}
+        return sum(held.values())
 
     def _update_pause(self) -> None:
         q = self.queued_bytes()

@@ -165,6 +165,7 @@ def test_later_epochs_wait_for_every_sample_of_the_current_one():
     lease = ledger.lease_step(1, 1, 1000)
     assert sorted(r["uid"] for r in lease[0]) == ["p0@0", "p1@0"]
     assert ledger.counts()["to_generate"] == 4  # the rest of epoch 0; epoch 1 reuses it all
+    assert ledger.queued_bytes() == 2  # leased p0@0 and stored p0@1 are one object in the store
     assert ledger.entries["p0@1"].state == STORED  # its next epoch reuses the sample...
     assert ledger.lease_step(2, 1, 1000) is None  # ...but waits until epoch 0 is all leased
     rest = ledger.request_prompts("r0", 10)
