@@ -45,17 +45,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from dspark.checkpoint import export_dflash_backbone, load_drafter
-    from dspark.prompts import read_conversations
-    from dspark.targets import load_target, render_prompt
-    from vllm_spec import reference_eval
+    from vllm_spec import load_prompts, reference_eval, speculative_tokens
 
     work = Path(tempfile.mkdtemp(prefix="dspark-serve-"))
     backbone = export_dflash_backbone(load_drafter(args.drafter, args.target), work / "dflash")
-    convs, _ = read_conversations(args.prompts)
-    convs = convs[: args.limit]
-    _, tok = load_target(args.target)
-    prompts = [render_prompt(tok, c.prompt_messages) for c in convs]
-    k = json.loads((backbone / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    convs, prompts = load_prompts(args.target, args.prompts, args.limit)
+    k = speculative_tokens(backbone)
     ours = reference_eval(args.target, str(backbone), convs, args.max_new_tokens)
     base, theirs = vllm_runs(args.target, str(backbone), prompts, k, args.max_new_tokens)
     lossless = theirs["outputs"] == base["outputs"]

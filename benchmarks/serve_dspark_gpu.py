@@ -39,19 +39,13 @@ def main() -> int:
 
     import torch
 
-    from dspark.prompts import read_conversations
-    from dspark.targets import load_target, render_prompt
-    from vllm_spec import generate, reference_eval
+    from vllm_spec import generate, load_prompts, reference_eval, speculative_tokens
 
     if not torch.cuda.is_available():
         print("no CUDA device: DSpark execution in vLLM is GPU-only", file=sys.stderr)
         return 2
-    convs, _ = read_conversations(args.prompts)
-    convs = convs[: args.limit]
-    _, tok = load_target(args.target)
-    prompts = [render_prompt(tok, c.prompt_messages) for c in convs]
-    cfg = json.loads((Path(args.drafter) / "config.json").read_text())
-    k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    convs, prompts = load_prompts(args.target, args.prompts, args.limit)
+    k = speculative_tokens(args.drafter)
     engine = {"tensor_parallel_size": args.tp, "gpu_memory_utilization": 0.4}
 
     base = generate(args.target, prompts, args.max_new_tokens, None, **engine)

@@ -10,6 +10,26 @@ import time
 from pathlib import Path
 
 
+def load_prompts(target: str, prompts_file: str, limit: int) -> tuple[list, list[list[int]]]:
+    """The first `limit` conversations of a prompt file and their prompt token ids (chat template
+    applied, generation prompt added), as both vLLM and the reference decoder see them."""
+    from transformers import AutoTokenizer
+
+    from dspark.prompts import read_conversations
+    from dspark.targets import render_prompt
+
+    convs, _ = read_conversations(prompts_file)
+    convs = convs[:limit]
+    tok = AutoTokenizer.from_pretrained(target)
+    return convs, [render_prompt(tok, c.prompt_messages) for c in convs]
+
+
+def speculative_tokens(drafter: str | Path) -> int:
+    """k from a speculators-format checkpoint's config."""
+    cfg = json.loads((Path(drafter) / "config.json").read_text())
+    return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+
 def generate(target: str, prompts: list[list[int]], max_new: int, speculative_config: dict | None = None,
              **engine) -> dict:
     """Greedy outputs, tokens/s and, when speculating, τ = 1 + accepted / drafts with the

@@ -156,7 +156,6 @@ class TrainingJob:
             gen_rate = sum(s["tokens_per_s"] for s in stats)
             self.metrics.gauge("inference_tokens_per_s", gen_rate, **tags)
             self.metrics.gauge("inference_replicas", len(g.replicas), **tags)
-            done = c["trained"] + c["leased"]
             eta = self._eta(g, c, gen_rate)
             m = g.last_metrics
             lines.append(

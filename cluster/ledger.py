@@ -217,7 +217,6 @@ class SampleLedger:
         if not held:
             budget = batch_tokens * world_size
             chosen, total = [], 0
-            self._update_pause()
             floor = self.epochs if self.paused else self.lease_epoch()
             for e in self._in(STORED):  # epoch-major
                 if e.epoch > floor or (chosen and total + e.tokens > budget):
