@@ -3,12 +3,16 @@
     python benchmarks/transport.py [--samples 24] [--memcpy 0|1]
 
 Producer and consumer are separate Ray actors (separate processes), as inference replicas and
-trainer ranks are. Mooncake path: the producer `put_sample`s (upsert) and sends only the
+trainer ranks are. Mooncake paths: the producer `put_sample`s (upsert) and sends only the
 `SampleRef` through Ray; the consumer reads into its registered buffer and removes the key,
-as the trainer does after a commit. Ray path: the producer returns the sample's torch tensors
-as Ray objects and the consumer `ray.get`s them. Two sample shapes: the local target's
-(2,048 tokens × 6 layers × hidden 576, bf16) and a Kimi-K3-shaped one scaled down in tokens
-(512 tokens × 6 layers × hidden 7,168, bf16).
+as the trainer does after a commit. Two ways to hold the memory, as `transport.segment_host`:
+- node (the default): a `mooncake_client` daemon lends it; producer and consumer attach to the
+  daemon over shared memory;
+- master: the master's actor lends it; producer and consumer are full clients, and every byte
+  crosses loopback TCP twice (put, then read).
+Ray path: the producer returns the sample's torch tensors as Ray objects and the consumer
+`ray.get`s them. Two sample shapes: the local target's (2,048 tokens × 6 layers × hidden 576,
+bf16) and a Kimi-K3-shaped one scaled down in tokens (512 tokens × 6 layers × hidden 7,168, bf16).
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ def make_sample(t, layers, h, seed):
 
 
 class Producer:
-    def __init__(self, master: str | None, shape, n: int) -> None:
+    def __init__(self, store: dict, shape, n: int) -> None:
         from cluster.store import HiddenStateStore, StoreConfig
 
         self.samples = [make_sample(*shape, seed=i) for i in range(min(n, 4))]  # reuse buffers: measure transport
-        self.store = HiddenStateStore(StoreConfig(master=master, buffer_bytes=512 << 20)).connect() if master else None
+        self.store = HiddenStateStore(StoreConfig(**store, buffer_bytes=64 << 20)).connect()
 
     def put_mooncake(self, i: int):
         t0 = time.perf_counter()
@@ -52,10 +56,10 @@ class Producer:
 
 
 class Consumer:
-    def __init__(self, master: str | None) -> None:
+    def __init__(self, store: dict) -> None:
         from cluster.store import HiddenStateStore, StoreConfig
 
-        self.store = HiddenStateStore(StoreConfig(master=master)).connect() if master else None
+        self.store = HiddenStateStore(StoreConfig(**store, buffer_bytes=64 << 20)).connect()
 
     def get_mooncake(self, refs):
         t0 = time.perf_counter()
@@ -73,43 +77,47 @@ class Consumer:
         return n, time.perf_counter() - t0
 
 
-def run(shape_name, shape, n, ray, master):
+def pipelined(n, put, get):
+    """Windows of 4: the puts of window k+1 overlap the reads of window k."""
+    t0 = time.perf_counter()
+    pending = None
+    for start in range(0, n, 4):
+        batch = put(range(start, min(n, start + 4)))
+        if pending is not None:
+            ray_get(pending)
+        pending = get(batch)
+    ray_get(pending)
+    return time.perf_counter() - t0
+
+
+def run(shape, n, ray, stores: dict, with_ray: bool):
     P = ray.remote(num_cpus=0)(Producer)
     C = ray.remote(num_cpus=0)(Consumer)
     t, layers, h = shape
     nbytes = t * layers * h * 2
-    prod, cons = P.remote(master.address, shape, n), C.remote(master.address)
-    ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
     rows = {}
-    # Mooncake: pipelined in windows of 4 (puts of window k+1 overlap gets of window k)
-    t0 = time.perf_counter()
-    pending = None
-    for start in range(0, n, 4):
-        puts = ray.get([prod.put_mooncake.remote(i) for i in range(start, min(n, start + 4))])
-        if pending is not None:
-            ray.get(pending)
-        pending = cons.get_mooncake.remote([r for r, _ in puts])
-    ray.get(pending)
-    dt = time.perf_counter() - t0
-    rows["mooncake"] = (n * nbytes / dt / 1e9, n / dt)
-    # Ray object store, same pipelining
-    t0 = time.perf_counter()
-    pending = None
-    for start in range(0, n, 4):
-        objs = [prod.put_ray.remote(i) for i in range(start, min(n, start + 4))]
-        if pending is not None:
-            ray.get(pending)
-        pending = cons.get_ray.remote(objs)
-    ray.get(pending)
-    dt = time.perf_counter() - t0
-    rows["ray object store"] = (n * nbytes / dt / 1e9, n / dt)
-    # Raw read bandwidth of one consumer (no pipelining): put all, then time the gets
-    refs = [r for r, _ in ray.get([prod.put_mooncake.remote(10_000 + i) for i in range(4)])]
-    got, secs = ray.get(cons.get_mooncake.remote(refs))
-    rows["mooncake read only"] = (got / secs / 1e9, len(refs) / secs)
-    ray.kill(prod)
-    ray.kill(cons)
+    for name, store in stores.items():
+        prod, cons = P.remote(store, shape, n), C.remote(store)
+        ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
+        dt = pipelined(n, lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
+                       lambda refs: cons.get_mooncake.remote(refs))
+        rows[f"mooncake, {name}"] = (n * nbytes / dt / 1e9, n / dt)
+        # Raw read bandwidth of one consumer (no pipelining): put 4, then time the reads
+        refs = [r for r, _ in ray.get([prod.put_mooncake.remote(10_000 + i) for i in range(4)])]
+        got, secs = ray.get(cons.get_mooncake.remote(refs))
+        rows[f"  read only, {name}"] = (got / secs / 1e9, len(refs) / secs)
+        if with_ray:
+            dt = pipelined(n, lambda idx: [prod.put_ray.remote(i) for i in idx], lambda objs: cons.get_ray.remote(objs))
+            rows["ray object store"] = (n * nbytes / dt / 1e9, n / dt)
+        ray.kill(prod)
+        ray.kill(cons)
     return rows
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
 
 
 def main() -> None:
@@ -122,19 +130,28 @@ def main() -> None:
     import ray
 
     from cluster.master import MooncakeMaster
+    from cluster.node_store import NodeStore
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
              runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("MC_")}})
-    master = MooncakeMaster(segment_bytes=2 << 30)  # as in the job: a third process hosts the store memory
     knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MC_"))
-    print(f"{knobs}, {args.samples} samples per shape, loopback TCP, producer and consumer "
-          "processes, store memory in the master's process")
-    print(f"{'shape':28} {'path':22} {'GB/s':>7} {'samples/s':>10}")
+    print(f"{knobs} (store clients), {args.samples} samples per shape, producer and consumer processes; "
+          "as in the job, the memory is in a third process")
+    print(f"{'shape':28} {'path':52} {'GB/s':>7} {'samples/s':>10}")
     for name, shape in SHAPES.items():
-        for path, (gbs, sps) in run(name, shape, args.samples, ray, master).items():
-            print(f"{name:28} {path:22} {gbs:7.2f} {sps:10.1f}")
-    master.stop()
+        rows = {}
+        for host in ("node", "master"):  # one store at a time: puts must land where the mode says
+            master = MooncakeMaster(segment_bytes=2 << 30 if host == "master" else 0)
+            daemon = NodeStore(master.address, 2 << 30) if host == "node" else None
+            store = {"master": master.address, "node_client": daemon.address if daemon else ""}
+            label = "node daemon, attached over shm" if daemon else "memory in the master, loopback TCP"
+            rows.update(run(shape, args.samples, ray, {label: store}, with_ray=host == "node"))
+            if daemon:
+                daemon.stop()
+            master.stop()
+        for path, (gbs, sps) in rows.items():
+            print(f"{name:28} {path:52} {gbs:7.2f} {sps:10.1f}")
     ray.shutdown()
 
 

@@ -117,11 +117,15 @@ class TransportConfig:
     rdma_devices: str = ""
     master_host: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
-    segment_mb: int = 2048  # store memory, hosted by the master's actor; at least 16 (Mooncake)
+    # Where the store's memory lives. node: a store daemon (mooncake_client) on every node with
+    # producers or trainer ranks lends segment_mb of it, and actors attach to their node's daemon
+    # through shared memory (a sample crosses the network at most once). master: the master's
+    # actor lends it, and every byte crosses the transport twice (put and read).
+    segment_host: str = "node"
+    segment_mb: int = 2048  # store memory per node (or in the master); at least 16 (Mooncake)
     buffer_mb: int = 256
     high_watermark: float = 0.7  # of segment_mb: producers pause above
     low_watermark: float = 0.5  # ... and resume below
-    master_per_group: bool = False
 
 
 @dataclass
@@ -200,6 +204,7 @@ CHOICES = {
     "drafter.mode": ("dspark", "dflash"),
     "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
     "transport.protocol": ("tcp", "rdma"),
+    "transport.segment_host": ("node", "master"),
     "trainer.precision": ("bf16-mixed", "bf16", "fp32"),
     "trainer.resume": ("auto", "never", "always"),
     "logging.wandb_mode": ("offline", "online", "disabled"),

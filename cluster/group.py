@@ -77,6 +77,7 @@ class GroupRunner:
 
         rid = f"{self.name}-r{self.replica_seq}"
         self.replica_seq += 1
+        self.job.start_node_stores([placed])
         env = {}
         if self.cfg.inference.backend == "replay":
             cls, settings = ReplayActor, self.job.replay_settings()
@@ -208,6 +209,7 @@ class GroupRunner:
 
         placed = [(p, b) for p in self.trainer_pgs for b in p.order]
         world = len(placed)
+        self.job.start_node_stores(self.trainer_pgs)
         settings = self.job.trainer_settings(self.name, world)
         self.ranks = [
             self.ray.remote(TrainerRank).options(

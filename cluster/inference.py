@@ -93,6 +93,8 @@ class InferenceActor(Producer):
         super().__init__()
         self.settings = s = settings if isinstance(settings, InferenceSettings) else InferenceSettings(**settings)
         self.replica_id = replica_id
+        # The connector may run in an engine process outside Ray: name this node's daemon for it.
+        s.store = {**s.store, "node_client": StoreConfig(**s.store).resolve_node_client()}
         if s.device == "cpu":
             # One engine process per actor: the actor *is* the replica, and the store client
             # of the connector lives here too.

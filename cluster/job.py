@@ -1,8 +1,8 @@
 """`TrainingJob`: the whole pipeline for one config, driven from the Ray job's entry script.
 
-    Mooncake master (supervised actor) ─┬─ group g0: ledger · replicas · trainer ranks
-                                         ├─ group g1: ...
-    progress line · Ray metrics · wandb ─┘
+    Mooncake master + a store daemon per node ─┬─ group g0: ledger · replicas · trainer ranks
+                                                ├─ group g1: ...
+    progress line · Ray metrics · wandb ────────┘
     → final checkpoint per group → exactly-once check → calibration → export → held-out τ
 
 Groups train independently (one thread each on the driver); each exports its own drafter.
@@ -71,6 +71,7 @@ class TrainingJob:
         self.metrics = Metrics(tags={"run": cfg.run_name})
         self.groups = []
         self.master = None
+        self.node_stores: dict[str, tuple] = {}  # node id -> (NodeStore actor, address)
         self.wandb = None
         self._lock = threading.Lock()
 
@@ -81,10 +82,43 @@ class TrainingJob:
         t = self.cfg.transport
         self.master = self.ray.remote(num_cpus=0)(MooncakeMaster).options(
             name=f"mooncake-master-{self.cfg.run_name}", max_concurrency=4,
-        ).remote(t.master_host, t.master_port, str(self.run_dir / "logs"), segment_bytes=t.segment_mb << 20,
+        ).remote(t.master_host, t.master_port, str(self.run_dir / "logs"),
+                 segment_bytes=t.segment_mb << 20 if t.segment_host == "master" else 0,
                  protocol=t.protocol, rdma_devices=t.rdma_devices)
         self.master_info = self.ray.get(self.master.info.remote())
         log.info("mooncake master at %s", self.master_info["address"])
+
+    def start_node_stores(self, placements) -> None:
+        """`segment_host: node`: a store daemon on every node these placements landed on that has
+        none yet. Started by the driver (not by the actors that use it) so that it outlives
+        them: a replaced replica or trainer rank must not take the node's samples with it."""
+        if self.cfg.transport.segment_host != "node":
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from cluster.node_store import NodeStore
+
+        t = self.cfg.transport
+        with self._lock:
+            for node in sorted({n for p in placements for n in p.bundle_nodes} - set(self.node_stores)):
+                actor = self.ray.remote(num_cpus=0)(NodeStore).options(
+                    name=f"mooncake-store-{self.cfg.run_name}-{node[:12]}", max_concurrency=2,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote(self.master_info["address"], t.segment_mb << 20,
+                         host="127.0.0.1" if t.master_host.startswith("127.") else "0.0.0.0",
+                         protocol=t.protocol, rdma_devices=t.rdma_devices, log_dir=str(self.run_dir / "logs"))
+                address = self.ray.get(actor.info.remote())["address"]
+                self.node_stores[node] = (actor, address)
+                log.info("store daemon for node %s at %s (%d MiB)", node[:12], address, t.segment_mb)
+
+    def stop_node_stores(self) -> None:
+        for actor, _ in self.node_stores.values():
+            try:
+                self.ray.get(actor.stop.remote(), timeout=30)
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.node_stores.clear()
 
     def master_generation(self) -> int:
         info = self.ray.get(self.master.info.remote())
@@ -95,7 +129,8 @@ class TrainingJob:
         t = self.cfg.transport
         host = self.ray.util.get_node_ip_address() if t.protocol == "rdma" else "127.0.0.1"
         return {"master": self.master_info["address"], "protocol": t.protocol, "rdma_devices": t.rdma_devices,
-                "segment_bytes": segment_bytes, "buffer_bytes": t.buffer_mb << 20, "local_hostname": host}
+                "segment_bytes": segment_bytes, "buffer_bytes": t.buffer_mb << 20, "local_hostname": host,
+                "node_clients": {node: address for node, (_, address) in self.node_stores.items()}}
 
     def inference_settings(self, group: str) -> dict:
         from cluster.inference import InferenceSettings
@@ -313,6 +348,7 @@ class TrainingJob:
             for g in self.groups:
                 g.stop_event.set()
                 g.stop_replicas()
+            self.stop_node_stores()
             if self.master is not None:
                 try:
                     self.ray.get(self.master.stop.remote(), timeout=30)

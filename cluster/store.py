@@ -2,8 +2,15 @@
 
 One sample is one object under the key `run/group/sample`: its hidden states, token ids and
 loss mask, each section 64-byte aligned, in that order. Only the key and the shapes
-(`SampleRef`) travel through Ray; the bytes move between store clients directly (TCP locally,
-RDMA on clusters). Reads land in a registered buffer (zero copy on RDMA).
+(`SampleRef`) travel through Ray; the bytes move between store clients directly. Reads land in
+a registered buffer (zero copy on RDMA).
+
+Two ways to join the store (`StoreConfig`):
+- attached to the node's store daemon (`node_client`, the default in jobs; see
+  `cluster.node_store`): puts and reads are copies through shared memory with that daemon, and
+  only samples held on another node cross the network;
+- a full client (no `node_client`): every byte goes over the transport (TCP or RDMA) to
+  whichever process lends the memory.
 
 Mooncake reports failures as negative integers; this wrapper turns them into exceptions
 that say what happened. Known traps handled here: `setup` against a dead master hangs for
@@ -14,6 +21,7 @@ treat as backpressure, never as a drop).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import threading
@@ -170,11 +178,80 @@ class StoreConfig:
     # Memory this client lends to the distributed pool. Only the master's actor lends any, so
     # the death of a producer or a trainer rank takes no stored sample with it.
     segment_bytes: int = 0
-    buffer_bytes: int = 256 << 20  # client-local staging for puts of non-registered memory
+    buffer_bytes: int = 256 << 20  # client-local staging for puts (and the first read buffer)
+    # The node's store daemon, host:port. Empty: looked up in `node_clients` (Ray node id ->
+    # address, filled by the job) for the node this process runs on; none there: a full client.
+    node_client: str = ""
+    node_clients: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+    def resolve_node_client(self) -> str:
+        if self.node_client or not self.node_clients:
+            return self.node_client
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        if node not in self.node_clients:
+            raise StoreUnavailable(f"no store daemon (mooncake_client) on node {node[:12]}; the job starts one on "
+                                   f"every node it places work on: {sorted(self.node_clients)}")
+        return self.node_clients[node]
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class _Attachment:
+    """One dummy client per process and daemon, shared by every `HiddenStateStore` attached to
+    it: Mooncake keeps a process-wide table of shared buffers and a client re-registers the
+    whole table when it reconnects, so two live clients in one process trip over each other's
+    buffers. After the daemon restarts, the client is replaced (`renew`) and every store drops
+    its buffers for fresh ones: the old ones stay marked as registered in that table, and the
+    new daemon would refuse them (−600)."""
+
+    _all: dict[str, "_Attachment"] = {}
+    _guard = threading.Lock()
+
+    def __init__(self, address: str) -> None:
+        self.address, self.users, self.lock = address, 0, threading.RLock()
+        self.client = self._setup()
+
+    def _setup(self, timeout: float = 0.0):
+        from mooncake.store import MooncakeDistributedStore
+
+        deadline = time.monotonic() + timeout
+        while True:
+            client = MooncakeDistributedStore()
+            rc = client.setup_dummy(0, 16 << 20, self.address)
+            if rc == 0:
+                return client
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"attaching to the store daemon {self.address} failed with {rc}")
+            time.sleep(0.5)
+
+    def renew(self, broken, timeout: float = 60.0) -> None:
+        """Replace `broken` (unless another store already did)."""
+        with self.lock:
+            if self.client is broken:
+                try:
+                    broken.close()
+                except Exception:  # noqa: BLE001 - it is broken
+                    pass
+                self.client = self._setup(timeout)
+
+    @classmethod
+    def acquire(cls, address: str) -> "_Attachment":
+        with cls._guard:
+            att = cls._all.get(address) or cls(address)
+            cls._all[address] = att
+            att.users += 1
+            return att
+
+    def release(self) -> None:
+        with self._guard:
+            self.users -= 1
+            if self.users == 0:
+                self._all.pop(self.address, None)
+                self.client.close()
 
 
 class HiddenStateStore:
@@ -184,76 +261,140 @@ class HiddenStateStore:
     def __init__(self, config: StoreConfig | dict) -> None:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig(**config)
         self._client = None
+        self.node_client = ""  # resolved at connect
+        self._attachment: _Attachment | None = None
         self._read_buf: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None  # attached: puts are packed here, in shared memory
         self._lock = threading.RLock()
 
     # ---- connection ---------------------------------------------------------------------
     def connect(self, timeout: float = 30.0) -> "HiddenStateStore":
-        """Probe the master, then set up; raises StoreUnavailable instead of hanging."""
+        """Probe the master (or the node's daemon), then set up; raises StoreUnavailable
+        instead of hanging."""
         from mooncake.store import MooncakeDistributedStore
 
         cfg = self.config
+        self.node_client = cfg.resolve_node_client()
+        target, what = (self.node_client, "store daemon") if self.node_client else (cfg.master, "mooncake master")
         deadline = time.monotonic() + timeout
-        while not probe(cfg.master):
+        while not probe(target):
             if time.monotonic() > deadline:
-                raise StoreUnavailable(f"mooncake master {cfg.master} does not answer (waited {timeout:.0f}s)")
+                raise StoreUnavailable(f"{what} {target} does not answer (waited {timeout:.0f}s)")
             time.sleep(0.2)
+        if self.node_client:
+            self._attachment = _Attachment.acquire(self.node_client)
+            self._client, self._lock = self._attachment.client, self._attachment.lock
+            return self
         with self._lock:
             client = MooncakeDistributedStore()
             rc = client.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
                               cfg.protocol, cfg.rdma_devices, cfg.master)
             if rc != 0:
-                raise StoreUnavailable(f"mooncake setup against {cfg.master} failed with {rc}")
+                raise StoreUnavailable(f"mooncake setup against {target} failed with {rc}")
             self._client = client
             self._read_buf = None
         return self
 
     def reconnect(self, timeout: float = 60.0) -> None:
-        """After a master restart: a new client (old registrations are gone with the old one)."""
+        """After a master restart: a new client (old registrations are gone with the old one).
+        Attached to a daemon there is nothing to do: the daemon re-registers its memory with a
+        restarted master by itself."""
+        if self.node_client:
+            return
         with self._lock:
             self.close()
             self.connect(timeout)
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                try:
+            if self._client is None:
+                return
+            try:
+                if self._attachment is not None:
+                    self._attachment.release()
+                    self._attachment = None
+                else:
                     self._client.close()
-                finally:
-                    self._client = None
-                    self._read_buf = None
+            finally:
+                self._client = None
+                self._read_buf = self._staging = None
 
     @property
     def client(self):
         if self._client is None:
             raise StoreUnavailable("HiddenStateStore is not connected; call connect()")
+        if self._attachment is not None and self._client is not self._attachment.client:
+            # Another store of this process renewed the shared client: our buffers died with it.
+            self._client, self._read_buf, self._staging = self._attachment.client, None, None
         return self._client
 
     def healthy(self) -> bool:
-        return self._client is not None and self._client.health_check() == 0 and probe(self.config.master, 1.0)
+        return (self._client is not None and (self.node_client or self._client.health_check() == 0)
+                and probe(self.node_client or self.config.master, 1.0))
 
     def _call(self, fn):
-        """Run `fn(client)`; after an RPC failure (the master restarted or moved) reconnect once
-        and retry, so producers and consumers ride through a master restart."""
+        """Run `fn(client)`; after a failure that a restart explains, renew the client once and
+        retry, so producers and consumers ride through a master (or daemon) restart. A full
+        client sees a restarted master as an RPC failure; an attached one sees a restarted
+        daemon as an RPC failure or, on our buffers, as −600 (the new daemon does not know them)."""
+        retry_on = RPC_FAILURES | ({-600} if self._attachment else set())
         with self._lock:
             rc = fn(self.client)
             codes = rc if isinstance(rc, list) else [rc]
-            if any(c in RPC_FAILURES for c in codes if isinstance(c, int)):
-                self.reconnect()
+            if any(c in retry_on for c in codes if isinstance(c, int)):
+                if self._attachment is None:
+                    self.reconnect()
+                else:
+                    self._attachment.renew(self._client)
                 rc = fn(self.client)
             return rc
 
+    def _shared(self, current: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes` in memory the node's daemon can read and write: carved
+        from a shared-memory file and registered with it. Grows by doubling (Mooncake has no
+        call to return such memory, so growth should be rare)."""
+        if current is not None and current.numel() >= nbytes:
+            return current
+        size = max(self.config.buffer_bytes, 1 << 20)
+        while size < nbytes:
+            size *= 2
+        if current is not None:
+            self.client.unregister_buffer(current.data_ptr())
+        ptr = self.client.alloc_from_mem_pool(size)
+        if not ptr:
+            raise StoreError("alloc_from_mem_pool", -1)
+        raise_for("register_buffer", self.client.register_buffer(ptr, size))
+        return torch.frombuffer((ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8)
+
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
-        # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
-        # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).
         ref = SampleRef.for_sample(key, sample)
         parts = sample_parts(sample)
-        raise_for("upsert", self._call(lambda c: c.upsert_parts(key, *parts)), key)
+        if not self.node_client:
+            # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
+            # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).
+            raise_for("upsert", self._call(lambda c: c.upsert_parts(key, *parts)), key)
+            return ref
+
+        def put(client):
+            # One copy into shared memory; the daemon takes it from there (a parts upsert would
+            # send the bytes through its RPC socket instead).
+            self._staging = self._shared(self._staging, ref.nbytes)
+            o = 0
+            for part in parts:
+                n = len(part) if isinstance(part, bytes) else part.nbytes
+                self._staging[o : o + n].numpy()[:] = memoryview(part).cast("B")
+                o += n
+            return client.upsert_from(key, self._staging.data_ptr(), ref.nbytes)
+
+        with self._lock:
+            raise_for("upsert", self._call(put), key)
         return ref
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._read_buf is None or self._read_buf.numel() < nbytes:
+        if self.node_client:
+            self._read_buf = self._shared(self._read_buf, nbytes)
+        elif self._read_buf is None or self._read_buf.numel() < nbytes:
             if self._read_buf is not None:
                 self.client.unregister_buffer(self._read_buf.data_ptr())
             buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)

@@ -77,7 +77,8 @@ class TrainerRank:
         self.data_wait_s = 0.0
 
     def connect_store(self) -> None:
-        """Join the store (as a pure client: the master's actor hosts the memory)."""
+        """Join the store as a pure user: the node's daemon (or the master's actor) lends the
+        memory, so samples outlive this rank."""
         from cluster.store import HiddenStateStore, StoreConfig
 
         self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()

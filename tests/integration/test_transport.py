@@ -1,6 +1,8 @@
 """The data path under failure, with real parts: a supervised mooncake_master (Ray actor), the
-sample ledger (Ray actor), replay producers and a consumer with real store clients (Ray
-actors). After each failure the run completes and every prompt is trained exactly once."""
+store memory either in a supervised node daemon (`mooncake_client`, Ray actor; store users
+attach over shared memory) or in the master's actor, the sample ledger (Ray actor), replay
+producers and a consumer with real store clients (Ray actors). After each failure the run
+completes and every prompt is trained exactly once."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 
 from cluster.ledger import SampleLedger
 from cluster.master import MooncakeMaster
+from cluster.node_store import NodeStore
 from cluster.replay import ReplayActor
-from cluster.store import HiddenStateStore, StoreConfig, StoreUnavailable
+from cluster.store import HiddenStateStore, StoreConfig, StoreError, StoreUnavailable
 from dspark.samples import Sample, write_sample
 
 pytestmark = pytest.mark.integration
@@ -27,6 +30,7 @@ class Consumer:
         self.store = HiddenStateStore(StoreConfig(**store)).connect()
         self.seen: list[str] = []
         self.step = 0
+        self.missing = 0  # samples found gone from the store and sent back for regeneration
         try:  # resume from our last checkpoint, as a restarted trainer does
             import ray
 
@@ -44,7 +48,7 @@ class Consumer:
     def run(self, max_steps: int, stop_before_commit_at: int | None = None) -> dict:
         import ray
 
-        from cluster.store import SampleMissing, SampleRef
+        from cluster.store import SampleRef
 
         while self.step < max_steps:
             lease = ray.get(self.ledger.lease_step.remote(self.step + 1, 1, 3000))
@@ -56,8 +60,9 @@ class Consumer:
             rows = lease[0]
             try:
                 samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
-            except SampleMissing:
-                missing = [r["uid"] for r in rows if not self.store.exists(r["ref"]["key"])]
+            except StoreError:  # gone with a restarted master or daemon: regenerate what is gone
+                missing = [r["uid"] for r in rows if not self.readable(r["ref"])]
+                self.missing += len(missing)
                 ray.get(self.ledger.release_lease.remote(self.step + 1, missing))
                 continue
             assert all(s.num_tokens > 0 for s in samples)
@@ -69,6 +74,15 @@ class Consumer:
                 self.checkpoint()
         self.checkpoint()
         return {"done": self.step}
+
+    def readable(self, ref: dict) -> bool:
+        from cluster.store import SampleRef
+
+        try:
+            self.store.get_sample(SampleRef.from_dict(ref))
+            return True
+        except StoreError:
+            return False
 
     def checkpoint(self) -> None:
         import ray
@@ -85,6 +99,9 @@ class Consumer:
     def seen_uids(self) -> list[str]:
         return list(self.seen)
 
+    def missing_reported(self) -> int:
+        return self.missing
+
 
 @pytest.fixture(scope="module")
 def sample_dir(tmp_path_factory):
@@ -97,11 +114,16 @@ def sample_dir(tmp_path_factory):
     return d
 
 
-def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256):
+def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256,
+                 segment_host: str = "node"):
     Master = ray.remote(num_cpus=0, max_concurrency=4)(MooncakeMaster)
-    master = Master.remote(segment_bytes=segment_mb << 20)  # the master's actor hosts the store memory
+    master = Master.remote(segment_bytes=segment_mb << 20 if segment_host == "master" else 0)
     info = ray.get(master.info.remote())
     store = {"master": info["address"]}
+    daemon = None
+    if segment_host == "node":  # one node: one daemon lends the memory, every actor attaches to it
+        daemon = ray.remote(num_cpus=0, max_concurrency=2)(NodeStore).remote(info["address"], segment_mb << 20)
+        store["node_client"] = ray.get(daemon.info.remote())["address"]
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n_prompts)]
     high = (segment_mb << 20) * (10 if scenario == "full_store" else 0.7)  # full_store: no ledger backpressure
     ledger = ray.remote(num_cpus=0)(SampleLedger).remote("g0", prompts, epochs=2, key_prefix=scenario,
@@ -110,7 +132,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     ckpt = str(tmp_path / f"{scenario}.json")
     consumer = C.remote(ledger, store, ckpt)
     P = ray.remote(num_cpus=0, max_concurrency=2)(ReplayActor)
-    rate = 40.0 if scenario in ("kill_producer", "restart_master") else 0.0
+    rate = 40.0 if scenario in ("kill_producer", "restart_master", "restart_daemon") else 0.0
     producers = {f"r{i}": P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, f"r{i}") for i in range(2)}
     serving = {rid: p.serve.remote(ledger, 4) for rid, p in producers.items()}
     events = []
@@ -151,6 +173,9 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
                 ray.kill(producers["r0"])
             elif scenario == "restart_master":
                 ray.get(master.kill.remote())
+            elif scenario == "restart_daemon":
+                ray.get(daemon.kill.remote())
+                events.append(("daemon_killed", counts["stored"]))
         gen = ray.get(master.info.remote())["generation"]
         if gen > generation:  # the watcher restarted it: every store user reconnects
             generation = gen
@@ -164,20 +189,29 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     ray.get(run)
     seen = ray.get(consumer.seen_uids.remote())
     report = ray.get(ledger.verify_exactly_once.remote())
-    report["errors"] = [ev for ev in ray.get(ledger.state_dict.remote())["entries"] if ev["state"] == "failed"]
+    state = ray.get(ledger.state_dict.remote())
+    report["errors"] = [ev for ev in state["entries"] if ev["state"] == "failed"]
+    report["missing_reported"] = ray.get(consumer.missing_reported.remote())
     stats = ray.get([p.stats.remote() for p in producers.values()])
     for p in producers.values():
         ray.get(p.stop.remote())
+    report["daemon_restarts"] = ray.get(daemon.info.remote())["restarts"] if daemon else 0
+    if daemon:
+        ray.get(daemon.stop.remote())
     ray.get(master.stop.remote())
-    for a in [consumer, ledger, master, *producers.values()]:
+    for a in [consumer, ledger, master, *producers.values(), *([daemon] if daemon else [])]:
         ray.kill(a)
     return seen, report, events, stats
 
 
-@pytest.mark.parametrize("scenario", ["kill_producer", "restart_master", "kill_consumer", "full_store"])
-def test_exactly_once_after_failure(scenario, ray_cluster, sample_dir, tmp_path):
+@pytest.mark.parametrize("scenario,segment_host", [
+    ("kill_producer", "node"), ("restart_master", "node"), ("restart_daemon", "node"), ("kill_consumer", "node"),
+    ("full_store", "node"), ("restart_master", "master"), ("full_store", "master"),
+])
+def test_exactly_once_after_failure(scenario, segment_host, ray_cluster, sample_dir, tmp_path):
     seg, n = (16, 30) if scenario == "full_store" else (256, 60)
-    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, n_prompts=n, segment_mb=seg)
+    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, n_prompts=n, segment_mb=seg,
+                                               segment_host=segment_host)
     expected = {f"p{i}@{e}" for i in range(n) for e in range(2)}
     assert report["failed"] == [] and report["per_epoch"] == {"0": n, "1": n}, [(e["prompt_id"], e["attempts"], e["errors"]) for e in report["errors"][:3]]
     assert sorted(seen) == sorted(expected), "the consumer's model saw a sample twice or missed one"
@@ -185,6 +219,10 @@ def test_exactly_once_after_failure(scenario, ray_cluster, sample_dir, tmp_path)
         assert any(e[0] == "replica_died" for e in events)
     if scenario == "restart_master":
         assert any(e[0] == "master_restarted" for e in events)
+    if scenario == "restart_daemon":
+        assert report["daemon_restarts"] == 1
+        assert any(e[0] == "daemon_killed" and e[1] > 0 for e in events), "no sample was stored when the daemon died"
+        assert report["missing_reported"] > 0, "the samples the daemon held were never found missing and regenerated"
     if scenario == "full_store":
         assert sum(s["full_waits"] for s in stats) > 0, "the store never filled: the test did not test backpressure"
 

@@ -1,0 +1,159 @@
+"""`SupervisedProcess`: a Mooncake binary run as a child of a Ray actor — started, probed until
+it answers on its port, restarted when it dies, stopped with its owner.
+
+The job runs two kinds: the master (`cluster.master`) and, per node, the store daemon that lends
+the node's memory (`cluster.node_store`). Both lose their state when they die, so `generation`
+counts starts: users compare it to tell that the keys they knew of are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from cluster.store import probe
+
+
+def _die_with_parent() -> None:
+    """Linux: the child dies with the process that started it (a killed job leaves no orphan)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def mooncake_binary(name: str) -> str:
+    """`mooncake_master` / `mooncake_client`: next to the interpreter (venv), on PATH, or in the
+    wheel's package folder (where the non-CUDA wheel ships the client)."""
+    candidates = [Path(sys.executable).parent / name]
+    try:
+        import mooncake
+
+        candidates.append(Path(mooncake.__file__).parent / name)
+    except ImportError:
+        pass
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: install mooncake-transfer-engine(-non-cuda)")
+    return found
+
+
+class SupervisedProcess:
+    name = "process"  # for logs and errors
+
+    def __init__(self, host: str, port: int, log_dir: str | None, watch_interval_s: float) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.generation = 0  # bumped at every (re)start: a new generation has no keys
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._watch_interval_s = watch_interval_s
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict:
+        return dict(os.environ)
+
+    def after_start(self) -> None:
+        """Runs once the process answers (under the start lock)."""
+
+    def launch(self) -> None:
+        """First start, then supervision; subclasses call it at the end of their __init__."""
+        self.start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    @property
+    def advertise_host(self) -> str:
+        """The address clients use: the bind address, or this node's IP when bound to all."""
+        if self.host not in ("0.0.0.0", ""):
+            return self.host
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray
+            return socket.gethostbyname(socket.gethostname())
+
+    @property
+    def address(self) -> str:
+        return f"{self.advertise_host}:{self.port}"
+
+    def info(self) -> dict:
+        return {"address": self.address, "generation": self.generation, "restarts": self.restarts, "alive": self.alive()}
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            log = subprocess.DEVNULL
+            if self.log_dir:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                log = open(self.log_dir / f"{self.name}.{self.generation + 1}.log", "ab")
+            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
+                                          start_new_session=True, preexec_fn=_die_with_parent)
+            deadline = time.monotonic() + timeout
+            while not probe(self.address, 0.5):
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self._proc.returncode} at start")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} did not answer on {self.address} within {timeout}s")
+                time.sleep(0.1)
+            self.generation += 1
+            self.after_start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            time.sleep(self._watch_interval_s)
+            if not self._stopping and not self.alive():
+                try:
+                    self.restarts += 1
+                    self.start()
+                except (RuntimeError, TimeoutError):
+                    time.sleep(1.0)  # the port may still be in TIME_WAIT; try again next round
+
+    def kill(self) -> None:
+        """Kill the process as a crash would (the watcher restarts it)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def __del__(self) -> None:  # the owner ending (actor teardown) takes the process with it
+        try:
+            self.stop()
+        except Exception:
+            pass
