@@ -4,10 +4,12 @@
 
 Producer and consumer are separate Ray actors (separate processes), as inference replicas and
 trainer ranks are. Mooncake paths: the producer `put_sample`s (upsert) and sends only the
-`SampleRef` through Ray; the consumer reads into its registered buffer and removes the key,
-as the trainer does after a commit. Two ways to hold the memory, as `transport.segment_host`:
+`SampleRef` through Ray; the consumer reads into its registered buffer (views, as the trainer
+reads a step before packing it) and removes the keys, as the trainer does after a commit. Two ways to hold the memory, as `transport.segment_host`:
 - node (the default): a `mooncake_client` daemon lends it; producer and consumer attach to the
   daemon over shared memory;
+- two nodes: as between nodes of a cluster, the producer attached to one daemon (lending no
+  memory) and the consumer to another: every sample crosses loopback TCP once, daemon to daemon;
 - master: the master's actor lends it; producer and consumer are full clients, and every byte
   crosses loopback TCP twice (put, then read).
 Ray path: the producer returns the sample's torch tensors as Ray objects and the consumer
@@ -63,7 +65,7 @@ class Consumer:
 
     def get_mooncake(self, refs):
         t0 = time.perf_counter()
-        samples = self.store.get_samples(refs)
+        samples = self.store.get_samples(refs, copy=False)  # as the trainer reads a step
         for r in refs:
             self.store.remove(r.key)
         return sum(s.hidden_states.numel() * 2 for s in samples), time.perf_counter() - t0
@@ -96,8 +98,8 @@ def run(shape, n, ray, stores: dict, with_ray: bool):
     t, layers, h = shape
     nbytes = t * layers * h * 2
     rows = {}
-    for name, store in stores.items():
-        prod, cons = P.remote(store, shape, n), C.remote(store)
+    for name, (producer_store, consumer_store) in stores.items():
+        prod, cons = P.remote(producer_store, shape, n), C.remote(consumer_store)
         ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
         dt = pipelined(n, lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
                        lambda refs: cons.get_mooncake.remote(refs))
@@ -141,14 +143,22 @@ def main() -> None:
     print(f"{'shape':28} {'path':52} {'GB/s':>7} {'samples/s':>10}")
     for name, shape in SHAPES.items():
         rows = {}
-        for host in ("node", "master"):  # one store at a time: puts must land where the mode says
-            master = MooncakeMaster(segment_bytes=2 << 30 if host == "master" else 0)
-            daemon = NodeStore(master.address, 2 << 30) if host == "node" else None
-            store = {"master": master.address, "node_client": daemon.address if daemon else ""}
-            label = "node daemon, attached over shm" if daemon else "memory in the master, loopback TCP"
-            rows.update(run(shape, args.samples, ray, {label: store}, with_ray=host == "node"))
-            if daemon:
-                daemon.stop()
+        # One layout at a time, each with its own master, so puts land where the layout says.
+        for layout in ("node", "two nodes", "master"):
+            master = MooncakeMaster(segment_bytes=2 << 30 if layout == "master" else 0)
+            daemons = []
+            if layout == "node":
+                daemons = [NodeStore(master.address, 2 << 30)]
+                label = "node daemon, attached over shm"
+            elif layout == "two nodes":  # the producer's daemon lends nothing: every sample crosses
+                daemons = [NodeStore(master.address, 0), NodeStore(master.address, 2 << 30)]
+                label = "two node daemons, one loopback TCP hop"
+            else:
+                label = "memory in the master, two loopback TCP hops"
+            ends = [{"master": master.address, "node_client": d.address} for d in daemons] or [{"master": master.address}]
+            rows.update(run(shape, args.samples, ray, {label: (ends[0], ends[-1])}, with_ray=layout == "node"))
+            for d in daemons:
+                d.stop()
             master.stop()
         for path, (gbs, sps) in rows.items():
             print(f"{name:28} {path:52} {gbs:7.2f} {sps:10.1f}")

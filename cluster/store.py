@@ -220,22 +220,23 @@ class _Attachment:
 
         deadline = time.monotonic() + timeout
         while True:
-            client = MooncakeDistributedStore()
-            rc = client.setup_dummy(0, 16 << 20, self.address)
-            if rc == 0:
-                return client
+            rc = None
+            if probe(self.address, 0.5):  # a setup against a daemon that is not up takes ~4 s to fail
+                client = MooncakeDistributedStore()
+                rc = client.setup_dummy(0, 16 << 20, self.address)
+                if rc == 0:
+                    return client
             if time.monotonic() > deadline:
-                raise StoreUnavailable(f"attaching to the store daemon {self.address} failed with {rc}")
-            time.sleep(0.5)
+                raise StoreUnavailable(f"attaching to the store daemon {self.address} failed"
+                                       + (f" with {rc}" if rc is not None else ": it does not answer"))
+            time.sleep(0.2)
 
     def renew(self, broken, timeout: float = 60.0) -> None:
         """Replace `broken` (unless another store already did)."""
         with self.lock:
             if self.client is broken:
-                try:
-                    broken.close()
-                except Exception:  # noqa: BLE001 - it is broken
-                    pass
+                # Closing waits for its reconnect loop (~5 s measured): let it go on its own.
+                threading.Thread(target=broken.close, daemon=True).start()
                 self.client = self._setup(timeout)
 
     @classmethod
@@ -402,11 +403,13 @@ class HiddenStateStore:
             self._read_buf = buf
         return self._read_buf
 
-    def get_samples(self, refs: list[SampleRef]) -> list[Sample]:
+    def get_samples(self, refs: list[SampleRef], copy: bool = True) -> list[Sample]:
         """Read several samples with one batched transfer into the registered buffer.
 
-        The returned tensors are copies (the buffer is reused by the next read). A missing key
-        raises SampleMissing; a short read raises CorruptSampleError. Nothing is returned
+        The returned hidden states are copies, or with `copy=False` views into the read buffer,
+        valid until this store's next read: for a caller that copies them anyway at once (the
+        trainer packs a step into one batch), which saves a copy of every byte read. A missing
+        key raises SampleMissing; a short read raises CorruptSampleError. Nothing is returned
         partially.
         """
         if not refs:
@@ -429,7 +432,7 @@ class HiddenStateStore:
                 raise_for("get", rc, r.key)
                 if rc != r.nbytes:
                     raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
-                out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=True))  # ids and mask are copies already
+                out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=copy))  # ids and mask are copies already
             return out
 
     def get_sample(self, ref: SampleRef) -> Sample:

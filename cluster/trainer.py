@@ -192,14 +192,20 @@ class TrainerRank:
 
         t0 = time.perf_counter()
         self.batch, self.fetched_step = None, step
+        failures = (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable)
+        refs = [SampleRef.from_dict(row["ref"]) for row in rows]
         missing = []
-        samples = []
-        for row in rows:
-            ref = SampleRef.from_dict(row["ref"])
-            try:
-                samples.extend(self.store.get_samples([ref]))
-            except (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable):
-                missing.append(row["uid"])
+        try:
+            # One transfer for the whole step; views into the read buffer, which `pack` copies
+            # before anything reads again.
+            samples = self.store.get_samples(refs, copy=False)
+        except failures:
+            samples = []
+            for row, ref in zip(rows, refs):  # which ones are gone? (copies: the buffer is reused)
+                try:
+                    samples.extend(self.store.get_samples([ref]))
+                except failures:
+                    missing.append(row["uid"])
         if samples and not missing:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
             dtype = torch.float32 if self.s.trainer["precision"] == "fp32" else torch.bfloat16

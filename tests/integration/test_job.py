@@ -66,6 +66,8 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     trained = scrape("dspark_samples_trained", "e2e")
     assert any('group="g0"' in ln and float(ln.rsplit(" ", 1)[1]) > 0 for ln in trained), trained
     assert scrape("dspark_train_loss", "e2e") and scrape("dspark_heldout_tau", "e2e")
+    # The default layout: the node's store daemon held the samples
+    assert (run / "logs" / "mooncake_client.1.log").exists()
     # (after the scrape: the job's actors are gone and their series expire)
     # Served by vLLM itself (CPU: the backbone as `dflash`): lossless, and vLLM's τ is ours.
     served = tmp_path / "served.json"
@@ -84,7 +86,9 @@ def test_kill_and_resubmit_resumes(ray_cluster, smol_target, tmp_path):
     with every prompt trained exactly once."""
     import ray
 
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    # Not this process's wandb service (an earlier test may have started one): it would still
+    # hold the killed run's id when the second run asks for it ("run ID resume is in use").
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     cmd = [sys.executable, str(ROOT / "jobs" / "train_kimi_k3.py"), "--config", str(ROOT / "configs" / "local.yaml"),
            "run_name=resume", f"output_dir={tmp_path}", "data.max_prompts=48", *SMALL]
     log1 = open(tmp_path / "first.log", "w")

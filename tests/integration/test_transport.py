@@ -45,7 +45,7 @@ class Consumer:
     def reconnect(self) -> None:
         self.store.reconnect()
 
-    def run(self, max_steps: int, stop_before_commit_at: int | None = None) -> dict:
+    def run(self, max_steps: int, stop_before_commit_at: int | None = None, step_pause_s: float = 0.0) -> dict:
         import ray
 
         from cluster.store import SampleRef
@@ -66,6 +66,7 @@ class Consumer:
                 ray.get(self.ledger.release_lease.remote(self.step + 1, missing))
                 continue
             assert all(s.num_tokens > 0 for s in samples)
+            time.sleep(step_pause_s)
             self.step += 1
             self.seen += [r["uid"] for r in rows]
             if stop_before_commit_at is not None and self.step >= stop_before_commit_at:
@@ -160,14 +161,16 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
         ray.kill(consumer)  # it trained 5 steps, committed 3: steps 4-5 must be trained again
         consumer = C.remote(ledger, store, ckpt)
         events.append(("consumer_restarted",))
-    run = consumer.run.remote(10 ** 6)
+    # restart_daemon: a slower consumer, so that samples wait in the store when the daemon dies
+    run = consumer.run.remote(10 ** 6, step_pause_s=0.2 if scenario == "restart_daemon" else 0.0)
     t0 = time.monotonic()
     injected = False
     while True:
         done, _ = ray.wait([run], timeout=0.2)
         supervise()
         counts = ray.get(ledger.counts.remote())
-        if not injected and counts["trained"] + counts["leased"] >= n_prompts // 3:
+        if not injected and counts["trained"] + counts["leased"] >= n_prompts // 3 and (
+                scenario != "restart_daemon" or counts["stored"] >= 3):
             injected = True
             if scenario == "kill_producer":
                 ray.kill(producers["r0"])
@@ -234,3 +237,37 @@ def test_store_client_fails_fast_without_master():
     with pytest.raises(StoreUnavailable, match="does not answer"):
         HiddenStateStore(StoreConfig(master=f"127.0.0.1:{free_port()}")).connect(timeout=1.0)
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("segment_host", ["node", "master"])
+def test_round_trip_is_exact(segment_host, tmp_path):
+    """Bytes in = bytes out, attached to a daemon or as full clients, copied or as views; a read
+    bigger than the buffer grows it; views alias the read buffer (so the next read reuses it)."""
+    master = MooncakeMaster(segment_bytes=(64 << 20) if segment_host == "master" else 0)
+    daemon = NodeStore(master.address, 64 << 20) if segment_host == "node" else None
+    # 1 MiB buffers: the attached client's staging and read buffers must grow; a full client
+    # stages a put in its local buffer, which must hold the sample
+    cfg = {"master": master.address, "node_client": daemon.address if daemon else "", "buffer_bytes": (1 if daemon else 4) << 20}
+    writer, reader = HiddenStateStore(StoreConfig(**cfg)).connect(), HiddenStateStore(StoreConfig(**cfg)).connect()
+    try:
+        g = torch.Generator().manual_seed(1)
+        samples = [Sample(torch.randint(0, 49152, (t,), generator=g), torch.rand(t, generator=g) > 0.3,
+                          torch.randn(t, 3, 576, generator=g).to(torch.bfloat16), [4, 9, 30]) for t in (37, 500, 300)]
+        refs = [writer.put_sample(f"rt/{i}", s) for i, s in enumerate(samples)]  # 500 tokens: 1.7 MB > 1 MiB buffer
+        for copy in (True, False):
+            got = reader.get_samples(refs, copy=copy)
+            for s, r in zip(samples, got):
+                assert torch.equal(r.hidden_states, s.hidden_states) and torch.equal(r.token_ids, s.token_ids)
+                assert torch.equal(r.loss_mask, s.loss_mask) and r.layer_ids == s.layer_ids
+            buf = reader._read_buf
+            inside = buf.data_ptr() <= got[1].hidden_states.data_ptr() < buf.data_ptr() + buf.numel()
+            assert inside == (not copy)
+        assert reader.remove("rt/0") and not reader.exists("rt/0")
+        with pytest.raises(StoreError):
+            reader.get_samples(refs[:1])
+    finally:
+        writer.close()
+        reader.close()
+        if daemon:
+            daemon.stop()
+        master.stop()
