@@ -354,6 +354,8 @@ class TrainingJob:
             for g in self.groups:
                 g.stop_event.set()
                 g.stop_replicas()
+                for r in g.ranks:  # before the store daemons, which their clients would miss
+                    self.ray.kill(r, no_restart=True)
             self.stop_node_stores()
             if self.master is not None:
                 try:
