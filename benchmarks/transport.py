@@ -5,7 +5,8 @@
 Producer and consumer are separate Ray actors (separate processes), as inference replicas and
 trainer ranks are. Mooncake paths: the producer `put_sample`s (upsert) and sends only the
 `SampleRef` through Ray; the consumer reads into its registered buffer (views, as the trainer
-reads a step before packing it) and removes the keys, as the trainer does after a commit. Two ways to hold the memory, as `transport.segment_host`:
+reads a step before packing it) and removes the keys, as the trainer does after a commit.
+Three layouts of the store's memory (`transport.segment_host`, and what lies between nodes):
 - node (the default): a `mooncake_client` daemon lends it; producer and consumer attach to the
   daemon over shared memory;
 - two nodes: as between nodes of a cluster, the producer attached to one daemon (lending no
@@ -79,47 +80,39 @@ class Consumer:
         return n, time.perf_counter() - t0
 
 
-def pipelined(n, put, get):
+def pipelined(ray, n, put, get):
     """Windows of 4: the puts of window k+1 overlap the reads of window k."""
     t0 = time.perf_counter()
     pending = None
     for start in range(0, n, 4):
         batch = put(range(start, min(n, start + 4)))
         if pending is not None:
-            ray_get(pending)
+            ray.get(pending)
         pending = get(batch)
-    ray_get(pending)
+    ray.get(pending)
     return time.perf_counter() - t0
 
 
-def run(shape, n, ray, stores: dict, with_ray: bool):
-    P = ray.remote(num_cpus=0)(Producer)
-    C = ray.remote(num_cpus=0)(Consumer)
+def run(shape, n, ray, name: str, producer_store: dict, consumer_store: dict, with_ray: bool):
     t, layers, h = shape
     nbytes = t * layers * h * 2
     rows = {}
-    for name, (producer_store, consumer_store) in stores.items():
-        prod, cons = P.remote(producer_store, shape, n), C.remote(consumer_store)
-        ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
-        dt = pipelined(n, lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
-                       lambda refs: cons.get_mooncake.remote(refs))
-        rows[f"mooncake, {name}"] = (n * nbytes / dt / 1e9, n / dt)
-        # Raw read bandwidth of one consumer (no pipelining): put 4, then time the reads
-        refs = [r for r, _ in ray.get([prod.put_mooncake.remote(10_000 + i) for i in range(4)])]
-        got, secs = ray.get(cons.get_mooncake.remote(refs))
-        rows[f"  read only, {name}"] = (got / secs / 1e9, len(refs) / secs)
-        if with_ray:
-            dt = pipelined(n, lambda idx: [prod.put_ray.remote(i) for i in idx], lambda objs: cons.get_ray.remote(objs))
-            rows["ray object store"] = (n * nbytes / dt / 1e9, n / dt)
-        ray.kill(prod)
-        ray.kill(cons)
+    prod = ray.remote(num_cpus=0)(Producer).remote(producer_store, shape, n)
+    cons = ray.remote(num_cpus=0)(Consumer).remote(consumer_store)
+    ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
+    dt = pipelined(ray, n, lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
+                   lambda refs: cons.get_mooncake.remote(refs))
+    rows[f"mooncake, {name}"] = (n * nbytes / dt / 1e9, n / dt)
+    # Raw read bandwidth of one consumer (no pipelining): put 4, then time the reads
+    refs = [r for r, _ in ray.get([prod.put_mooncake.remote(10_000 + i) for i in range(4)])]
+    got, secs = ray.get(cons.get_mooncake.remote(refs))
+    rows[f"  read only, {name}"] = (got / secs / 1e9, len(refs) / secs)
+    if with_ray:
+        dt = pipelined(ray, n, lambda idx: [prod.put_ray.remote(i) for i in idx], lambda objs: cons.get_ray.remote(objs))
+        rows["ray object store"] = (n * nbytes / dt / 1e9, n / dt)
+    ray.kill(prod)
+    ray.kill(cons)
     return rows
-
-
-def ray_get(ref):
-    import ray
-
-    return ray.get(ref)
 
 
 def main() -> None:
@@ -156,7 +149,7 @@ def main() -> None:
             else:
                 label = "memory in the master, two loopback TCP hops"
             ends = [{"master": master.address, "node_client": d.address} for d in daemons] or [{"master": master.address}]
-            rows.update(run(shape, args.samples, ray, {label: (ends[0], ends[-1])}, with_ray=layout == "node"))
+            rows.update(run(shape, args.samples, ray, label, ends[0], ends[-1], with_ray=layout == "node"))
             for d in daemons:
                 d.stop()
             master.stop()

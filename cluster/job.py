@@ -123,12 +123,6 @@ class TrainingJob:
     def master_generation(self) -> int:
         info = self.ray.get(self.master.info.remote())
         self.metrics.gauge("master_restarts", info["restarts"])
-        if self.node_stores:  # a daemon restart needs no action here (readers find its samples gone)
-            try:
-                daemons = self.ray.get([a.info.remote() for a, _ in self.node_stores.values()], timeout=10)
-                self.metrics.gauge("store_daemon_restarts", sum(d["restarts"] for d in daemons))
-            except Exception:  # noqa: BLE001 - a metric is not worth failing supervision for
-                pass
         return info["generation"]
 
     def store_config(self, segment_bytes: int = 0) -> dict:
@@ -184,6 +178,12 @@ class TrainingJob:
                 self.wandb.log({f"{group}/{k}": v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
 
     def progress(self) -> str:
+        if self.node_stores:  # only a metric: a dead daemon's samples are found missing by readers
+            try:
+                daemons = self.ray.get([a.info.remote() for a, _ in self.node_stores.values()], timeout=10)
+                self.metrics.gauge("store_daemon_restarts", sum(d["restarts"] for d in daemons))
+            except Exception:  # noqa: BLE001 - a metric is not worth failing the report for
+                pass
         lines = []
         for g in self.groups:
             c = g.counts()

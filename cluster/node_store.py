@@ -43,8 +43,3 @@ class NodeStore(SupervisedProcess):
         # within this host: let Mooncake do it as one (measured 2.3 vs 1.4 GB/s for reads going
         # through its TCP transport to itself), whatever store clients elsewhere are told.
         return {**super().environment(), "MC_STORE_MEMCPY": "1"}
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()

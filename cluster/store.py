@@ -175,8 +175,8 @@ class StoreConfig:
     protocol: str = "tcp"  # tcp | rdma
     rdma_devices: str = ""
     metadata_server: str = "P2PHANDSHAKE"
-    # Memory this client lends to the distributed pool. Only the master's actor lends any, so
-    # the death of a producer or a trainer rank takes no stored sample with it.
+    # Memory this client lends to the distributed pool. Only the node daemons (or the master's
+    # actor) lend any, so the death of a producer or a trainer rank takes no stored sample with it.
     segment_bytes: int = 0
     buffer_bytes: int = 256 << 20  # client-local staging for puts (and the first read buffer)
     # The node's store daemon, host:port. Empty: looked up in `node_clients` (Ray node id ->
@@ -388,8 +388,7 @@ class HiddenStateStore:
                 o += n
             return client.upsert_from(key, self._staging.data_ptr(), ref.nbytes)
 
-        with self._lock:
-            raise_for("upsert", self._call(put), key)
+        raise_for("upsert", self._call(put), key)  # `_call` holds the lock: the staging buffer is ours
         return ref
 
     def _buffer(self, nbytes: int) -> torch.Tensor:

@@ -192,8 +192,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     ray.get(run)
     seen = ray.get(consumer.seen_uids.remote())
     report = ray.get(ledger.verify_exactly_once.remote())
-    state = ray.get(ledger.state_dict.remote())
-    report["errors"] = [ev for ev in state["entries"] if ev["state"] == "failed"]
+    report["errors"] = [ev for ev in ray.get(ledger.state_dict.remote())["entries"] if ev["state"] == "failed"]
     report["missing_reported"] = ray.get(consumer.missing_reported.remote())
     stats = ray.get([p.stats.remote() for p in producers.values()])
     for p in producers.values():
