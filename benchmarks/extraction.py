@@ -51,7 +51,9 @@ def main() -> None:
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray
 
-    from cluster.inference import InferenceActor
+    from dataclasses import replace
+
+    from cluster.inference import InferenceActor, InferenceSettings
     from cluster.master import MooncakeMaster
     from cluster.store import HiddenStateStore, StoreConfig
     from dspark.config import DSparkConfig
@@ -65,12 +67,12 @@ def main() -> None:
     holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
     files = Path(tempfile.mkdtemp(prefix="dspark-hs-"))
     convs = conversations(args.conversations)
-    base = dict(target_path=str(target), layer_ids=layer_ids, key_prefix="bench/g0", max_tokens=1, max_model_len=2048,
-                store={"master": master.address})
+    base = InferenceSettings(target_path=str(target), layer_ids=layer_ids, key_prefix="bench/g0", max_tokens=1,
+                             max_model_len=2048, store=StoreConfig(master=master.address))
     variants = {
-        "vLLM prefill alone": {**base, "extract": False},
+        "vLLM prefill alone": replace(base, extract=False),
         "Mooncake connector": base,
-        "file connector": {**base, "backend": "file", "file_dir": str(files)},
+        "file connector": replace(base, backend="file", file_dir=str(files)),
     }
     Actor = ray.remote(num_cpus=2)(InferenceActor)
     rows = []

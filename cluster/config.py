@@ -37,6 +37,9 @@ class TargetConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kvcache_space_gb: int = 2
     max_num_seqs: int = 64
+    # A copy of the target's config.json, read by `--plan` (capacity figures, the drafter's
+    # size) on a machine where `path` is not mounted; the job itself always reads `path`.
+    plan_config: str | None = None
 
 
 @dataclass
@@ -77,6 +80,7 @@ class DataConfig:
     max_prompts: int | None = None
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
+    eval_timeout_s: float = 1800.0  # the held-out evaluation; past it the job fails naming it
 
 
 @dataclass
@@ -94,6 +98,9 @@ class GroupConfig:
     # boundary); None: the configured size, fixed.
     min_trainer_ranks: int | None = None
     max_trainer_ranks: int | None = None
+    # Replay backend only: this group's producer rate (None: inference.replay_samples_per_s),
+    # to emulate a slow group in tests and benchmarks.
+    replay_samples_per_s: float | None = None
 
     @property
     def trainer_ranks(self) -> int:
@@ -143,10 +150,18 @@ class TrainerConfig:
     grad_clip: float = 1.0
     max_steps: int | None = None  # None: one pass per epoch over the data
     checkpoint_interval: int = 200  # optimizer steps
+    # When trained samples leave the store: at the checkpoint that commits them (a trainer that
+    # goes back to its checkpoint re-reads them), or right after their step (it has them
+    # regenerated instead), for stores that cannot hold checkpoint_interval steps of hidden
+    # states (`--plan` says which).
+    release_samples: str = "at_commit"  # at_commit | after_step
     resume: str = "auto"  # auto | never | always
     seed: int = 0
     torch_threads: int | None = None  # CPU: threads per rank (None: what Ray gives the actor)
     throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
+    # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
+    # past it the job stops and names the call instead of waiting on a hung rank.
+    call_timeout_s: float = 900.0
 
 
 @dataclass
@@ -176,6 +191,18 @@ class InferenceConfig:
     backend: str = "vllm"  # vllm | replay
     replay_dir: str | None = None
     replay_samples_per_s: float = 0.0  # 0: unthrottled
+    prompt_batch: int = 16  # prompts a replica asks for at a time: big enough to batch, small enough to spread
+    max_replica_restarts: int = 5  # per group, over the job: then the job stops with the last error
+    first_samples_timeout_s: float = 3600.0  # for the first stored answers (the draft vocabulary waits for them)
+
+
+@dataclass
+class CapacityConfig:
+    """Expected rates, for the capacity plan `--plan` prints (bandwidth, store memory, which side
+    limits). Estimates: a benchmark's or an earlier run's progress line. None: not printed."""
+
+    replica_tokens_per_s: float | None = None  # tokens (prompt + answer) one replica extracts per second
+    rank_tokens_per_s: float | None = None  # tokens one trainer rank trains per second
 
 
 @dataclass
@@ -193,6 +220,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -207,6 +235,7 @@ CHOICES = {
     "transport.segment_host": ("node", "master"),
     "trainer.precision": ("bf16-mixed", "bf16", "fp32"),
     "trainer.resume": ("auto", "never", "always"),
+    "trainer.release_samples": ("at_commit", "after_step"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "inference.backend": ("vllm", "replay"),
 }
@@ -262,17 +291,35 @@ def validate(cfg: JobConfig) -> None:
                               f"trainer_nodes x trainer_ranks_per_node ({g.trainer_ranks}) <= max, got {lo}..{hi}")
         if cfg.device == "cuda" and g.gpus_per_node <= 0:
             raise ConfigError(f"config error at `{where}.gpus_per_node`: device=cuda needs GPUs per node")
-        if cfg.device == "cuda":
-            tp = cfg.target.tensor_parallel_size
-            if tp != g.gpus_per_node * cfg.target.nodes_per_replica:
+        if g.gpus_per_node > 0:
+            tp, spread = cfg.target.tensor_parallel_size, cfg.target.nodes_per_replica
+            if tp % spread or not 1 <= tp // spread <= g.gpus_per_node:
                 raise ConfigError(
-                    f"config error at `target.tensor_parallel_size`: {tp} != gpus_per_node ({g.gpus_per_node}) "
-                    f"x nodes_per_replica ({cfg.target.nodes_per_replica})"
-                )
+                    f"config error at `target.tensor_parallel_size`: {tp} GPUs over nodes_per_replica={spread} node(s) "
+                    f"must be a whole number of GPUs per node, at most gpus_per_node ({g.gpus_per_node}) of `{where}`")
+            if g.trainer_ranks_per_node > g.gpus_per_node:
+                raise ConfigError(f"config error at `{where}.trainer_ranks_per_node`: {g.trainer_ranks_per_node} ranks "
+                                  f"(one GPU each) on nodes of {g.gpus_per_node} GPUs")
     if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
         raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
     if cfg.drafter.block_size < 2:
         raise ConfigError("config error at `drafter.block_size`: must be >= 2")
+    for key in ("trainer.batch_tokens", "trainer.checkpoint_interval", "data.epochs", "inference.prompt_batch"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 1:
+            raise ConfigError(f"config error at `{key}`: must be >= 1, got {getattr(getattr(cfg, section), name)}")
+    if cfg.trainer.call_timeout_s <= 0 or cfg.inference.max_replica_restarts < 0:
+        raise ConfigError("config error at `trainer.call_timeout_s`/`inference.max_replica_restarts`: "
+                          "need a positive deadline and a non-negative restart bound")
+
+
+def group_watermarks(cfg: JobConfig) -> dict[str, tuple[int, int]]:
+    """Per group, the stored-but-untrained bytes at which its producers pause and resume: a
+    fraction of one node's store memory (a group's samples sit on its own nodes' daemons), or
+    of the master's memory shared by the groups when the master lends it."""
+    t = cfg.transport
+    seg = (t.segment_mb << 20) // (len(cfg.topology.groups) if t.segment_host == "master" else 1)
+    return {g.name: (int(seg * t.high_watermark), int(seg * t.low_watermark)) for g in cfg.topology.groups}
 
 
 def to_yaml(cfg: JobConfig) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from cluster.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
@@ -29,7 +29,7 @@ class InferenceSettings:
     target_path: str
     layer_ids: list[int]  # aux layers then the final pre-norm layer, speculators indexing
     key_prefix: str  # run/group
-    store: dict = field(default_factory=dict)  # StoreConfig fields
+    store: StoreConfig = field(default_factory=StoreConfig)
     backend: str = "mooncake"  # mooncake | file
     file_dir: str = "/tmp/dspark-hidden-states"
     device: str = "cpu"
@@ -80,7 +80,8 @@ def engine_kwargs(s: InferenceSettings) -> dict:
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {
-                "backend": s.backend, "key_prefix": s.key_prefix, "store": s.store, "shared_storage_path": s.file_dir,
+                # vLLM carries this as JSON to the connector (possibly in another process)
+                "backend": s.backend, "key_prefix": s.key_prefix, "store": asdict(s.store), "shared_storage_path": s.file_dir,
             },
         }
     return kwargs
@@ -89,12 +90,11 @@ def engine_kwargs(s: InferenceSettings) -> dict:
 class InferenceActor(Producer):
     """Wrapped with `ray.remote` by the job; usable directly in-process too."""
 
-    def __init__(self, settings: InferenceSettings | dict, replica_id: str = "r0") -> None:
-        super().__init__()
-        self.settings = s = settings if isinstance(settings, InferenceSettings) else InferenceSettings(**settings)
-        self.replica_id = replica_id
+    def __init__(self, settings: InferenceSettings, replica_id: str = "r0", group: str = "g0") -> None:
+        super().__init__(replica_id, group)
+        self.settings = s = settings
         # The connector may run in an engine process outside Ray: name this node's daemon for it.
-        s.store = {**s.store, "node_client": StoreConfig(**s.store).resolve_node_client()}
+        s.store = replace(s.store, node_client=s.store.resolve_node_client())
         if s.device == "cpu":
             # One engine process per actor: the actor *is* the replica, and the store client
             # of the connector lives here too.
@@ -108,7 +108,7 @@ class InferenceActor(Producer):
 
     def store(self) -> HiddenStateStore:
         if self._store is None:
-            self._store = HiddenStateStore(StoreConfig(**self.settings.store)).connect()
+            self._store = HiddenStateStore(self.settings.store).connect()
         return self._store
 
     def _sampling(self, key: str, spans):

@@ -9,8 +9,10 @@ the group is placed we read where each bundle went and hand vLLM the indices sor
 (`VLLM_RAY_BUNDLE_INDICES`), so ranks 0-3 share one node's NVLink and 4-7 the other's.
 
 Before any group is created, `check_topology` compares what the config needs with what the
-cluster has and names the missing resource; a group that still cannot be placed in time
-fails with the group's name and shape instead of pending forever.
+cluster has, in GPUs per node (a replica and a trainer may share a node: the single-node split,
+e.g. a TP-4 replica on four GPUs of an 8-GPU node and four trainer ranks on the other four),
+and names the missing resource; a group that still cannot be placed in time fails with the
+group's name and shape instead of pending forever.
 """
 
 from __future__ import annotations
@@ -70,11 +72,11 @@ class Placed:
 
 
 def replica_bundles(cfg: JobConfig, group_index: int) -> list[dict]:
-    """One inference replica's bundles: one per GPU of its `nodes_per_replica` nodes, or one CPU
-    bundle on a CPU-only group."""
+    """One inference replica's bundles: one per GPU of its tensor-parallel group (spread over
+    `nodes_per_replica` nodes), or one CPU bundle on a CPU-only group."""
     g = cfg.topology.groups[group_index]
     if g.gpus_per_node > 0:
-        return [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(g.gpus_per_node * cfg.target.nodes_per_replica)]
+        return [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(cfg.target.tensor_parallel_size)]
     return [{"CPU": g.cpus_per_replica}]
 
 
@@ -82,65 +84,102 @@ def cluster_request(cfg: JobConfig, shapes: list[tuple[int, int]]) -> list[dict]
     """Every bundle the job needs with (replicas, trainer ranks) per group, for Ray's
     `request_resources`: it sizes the cluster so that the listed bundles fit in total, running
     work included, and each call replaces the last, so it lists the whole job, not the increment."""
-    bundles = []
-    for gi, (replicas, ranks) in enumerate(shapes):
-        bundles += [dict(b) for _ in range(replicas) for b in replica_bundles(cfg, gi)]
-        bundles += [dict(b) for s in role_specs(cfg, gi, ranks) if s.role == "trainer" for b in s.bundles]
-    return bundles
+    layout = {g.name: ranks for g, (_, ranks) in zip(cfg.topology.groups, shapes)}
+    bundles = [dict(b) for gi, (replicas, _) in enumerate(shapes) for _ in range(replicas) for b in replica_bundles(cfg, gi)]
+    return bundles + [dict(b) for s in trainer_specs(cfg, layout) for b in s.bundles]
 
 
-def role_specs(cfg: JobConfig, group_index: int | None = None, trainer_ranks: int | None = None,
-               generation: int = 0) -> list[RoleSpec]:
-    """One placement group per inference replica and one per trainer node. `trainer_ranks`
-    (with `group_index`) asks for a resized trainer: full nodes of `trainer_ranks_per_node`
-    ranks and the remainder on one more; `generation` keeps its placement group names new."""
+def replica_spec(cfg: JobConfig, group_index: int, index: int = 0) -> RoleSpec:
+    g, t = cfg.topology.groups[group_index], cfg.target
+    return RoleSpec(g.name, "inference", index, replica_bundles(cfg, group_index), "PACK",
+                    t.nodes_per_replica if g.gpus_per_node else 1, cfg.run_name)
+
+
+def trainer_specs(cfg: JobConfig, layout: dict[str, int] | None = None, generation: int = 0) -> list[RoleSpec]:
+    """One placement group per trainer node of every group, group by group (the world's rank
+    order). `layout` (group -> ranks) asks for resized trainers: full nodes of
+    `trainer_ranks_per_node` ranks and the remainder on one more; `generation` keeps their
+    placement group names new."""
     specs = []
-    for gi, g in enumerate(cfg.topology.groups):
-        if group_index is not None and gi != group_index:
-            continue
-        t = cfg.target
+    for g in cfg.topology.groups:
         rank = {"GPU": 1.0, "CPU": g.cpus_per_trainer_rank} if g.gpus_per_node > 0 else {"CPU": g.cpus_per_trainer_rank}
-        per_replica = replica_bundles(cfg, gi)
-        for r in range(g.inference_replicas):
-            specs.append(RoleSpec(g.name, "inference", r, per_replica, "PACK", t.nodes_per_replica if g.gpus_per_node else 1,
-                                  cfg.run_name))
-        total = g.trainer_nodes * g.trainer_ranks_per_node if trainer_ranks is None else trainer_ranks
+        total = (layout or {}).get(g.name, g.trainer_ranks)
         for n, start in enumerate(range(0, total, g.trainer_ranks_per_node)):
             bundles = [dict(rank) for _ in range(min(g.trainer_ranks_per_node, total - start))]
             specs.append(RoleSpec(g.name, "trainer", n, bundles, "STRICT_PACK", 1, cfg.run_name, generation))
     return specs
 
 
+def role_specs(cfg: JobConfig) -> list[RoleSpec]:
+    """Every placement group of the configured topology: one per inference replica, one per
+    trainer node."""
+    replicas = [replica_spec(cfg, gi, r) for gi, g in enumerate(cfg.topology.groups) for r in range(g.inference_replicas)]
+    return replicas + trainer_specs(cfg)
+
+
+def node_chunks(spec: RoleSpec) -> list[tuple[float, float]]:
+    """(GPUs, CPUs) the placement group needs on each node it spans."""
+    per_node = len(spec.bundles) // spec.nodes
+    return [(sum(b.get("GPU", 0) for b in part), sum(b.get("CPU", 0) for b in part))
+            for part in (spec.bundles[i * per_node:(i + 1) * per_node] for i in range(spec.nodes))]
+
+
+def _fits(chunks: list[float], capacity: list[float], max_states: int = 200_000) -> bool:
+    """Whether per-node shares `chunks` pack into nodes of `capacity` GPUs: an exact search
+    (largest share first; nodes with the same free room are interchangeable, so only one of them
+    is tried; states seen are not searched again). Past `max_states` it answers yes and leaves
+    the verdict to Ray's placement, which fails with the group's name if it really does not fit."""
+    chunks = sorted(chunks, reverse=True)
+    seen: set = set()
+
+    def place(i: int, free: tuple) -> bool:
+        if i == len(chunks):
+            return True
+        if (i, free) in seen:
+            return False
+        if len(seen) > max_states:
+            raise OverflowError
+        seen.add((i, free))
+        for f in sorted(set(free), reverse=True):
+            if f >= chunks[i]:
+                k = free.index(f)
+                if place(i + 1, tuple(sorted(free[:k] + (f - chunks[i],) + free[k + 1:], reverse=True))):
+                    return True
+        return False
+
+    try:
+        return place(0, tuple(sorted(capacity, reverse=True)))
+    except OverflowError:
+        return True
+
+
 def check_topology(cfg: JobConfig, nodes: list[dict]) -> None:
     """Fail early, naming the resource, when the cluster cannot hold the topology.
 
-    `nodes` is `ray.nodes()` (alive ones count).
-    """
+    GPUs are counted per node: every replica's per-node share (TP GPUs / nodes_per_replica)
+    and every trainer node's ranks must fit on some node, several roles per node allowed.
+    `nodes` is `ray.nodes()` (alive ones count)."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
     gpus = sorted((n["Resources"].get("GPU", 0) for n in alive), reverse=True)
     cpus = sum(n["Resources"].get("CPU", 0) for n in alive)
-    need_gpu = need_cpu = 0.0
-    for s in role_specs(cfg):
-        need_gpu += sum(b.get("GPU", 0) for b in s.bundles)
-        need_cpu += sum(b.get("CPU", 0) for b in s.bundles)
-    for g in cfg.topology.groups:
-        if g.gpus_per_node and (not gpus or gpus[0] < g.gpus_per_node):
-            raise PlacementError(
-                f"group {g.name} needs nodes with {g.gpus_per_node} GPUs; the largest node has {gpus[0] if gpus else 0}"
-            )
-    if need_gpu:
-        # Replicas and trainers take whole nodes, so nodes are the binding constraint; the GPU
-        # total is named too, since that is what an operator adds.
-        per_node = max(g.gpus_per_node for g in cfg.topology.groups)
-        nodes_needed = sum(
-            g.inference_replicas * cfg.target.nodes_per_replica + g.trainer_nodes for g in cfg.topology.groups if g.gpus_per_node
-        )
-        full_nodes = sum(1 for x in gpus if x >= per_node)
-        if nodes_needed > full_nodes or need_gpu > sum(gpus):
-            raise PlacementError(
-                f"topology needs {nodes_needed} nodes with {per_node} GPUs ({need_gpu:g} GPUs), the cluster has "
-                f"{full_nodes} such nodes ({sum(gpus):g} GPUs): missing {max(0, nodes_needed - full_nodes)} node(s), "
-                f"{max(0.0, need_gpu - sum(gpus)):g} GPU(s)")
+    specs = role_specs(cfg)
+    chunks = [c for s in specs for c in node_chunks(s)]
+    need_gpu = sum(g for g, _ in chunks)
+    need_cpu = sum(c for _, c in chunks)
+    biggest = max((g for g, _ in chunks), default=0)
+    if biggest and (not gpus or gpus[0] < biggest):
+        what = next(s for s in specs if any(g == biggest for g, _ in node_chunks(s)))
+        raise PlacementError(f"{what.label} needs {biggest:g} GPUs on one node; the largest node has {gpus[0] if gpus else 0:g}")
+    gpu_chunks = [g for g, _ in chunks if g]
+    if gpu_chunks and not _fits(gpu_chunks, gpus):
+        # How many more nodes like the largest would make it fit: what an operator adds.
+        missing = 1
+        while not _fits(gpu_chunks, gpus + [gpus[0]] * missing):
+            missing += 1
+        raise PlacementError(
+            f"topology needs {need_gpu:g} GPUs in per-node shares {sorted(gpu_chunks, reverse=True)}, the cluster has "
+            f"{sum(gpus):g} GPUs on {len(gpus)} node(s) ({', '.join(f'{x:g}' for x in gpus[:8])}{'...' if len(gpus) > 8 else ''}): "
+            f"missing {missing} node(s) of {gpus[0]:g} GPUs, {max(0.0, need_gpu - sum(gpus)):g} GPU(s)")
     if need_cpu > cpus:
         raise PlacementError(f"topology needs {need_cpu:g} CPUs, the cluster has {cpus:g} (missing {need_cpu - cpus:g} CPU)")
 
@@ -182,13 +221,15 @@ def place(spec: RoleSpec, timeout_s: float) -> Placed:
     return Placed(spec, pg, bundle_nodes, ips, order)
 
 
-def place_all(cfg: JobConfig) -> list[Placed]:
+def place_all(cfg: JobConfig, specs: list[RoleSpec] | None = None) -> list[Placed]:
+    """Place `specs` (default: the whole configured topology) after checking that the cluster
+    can hold the topology; on failure nothing stays placed."""
     import ray
 
     check_topology(cfg, ray.nodes())
     placed = []
     try:
-        for s in role_specs(cfg):
+        for s in specs if specs is not None else role_specs(cfg):
             placed.append(place(s, cfg.topology.placement_timeout_s))
     except PlacementError:
         release(placed)

@@ -1,6 +1,7 @@
 """The pull loop every sample producer runs (vLLM replicas and the replay backend): ask the
-group's ledger for prompts, produce their samples into the store, report, repeat until
-stopped. The ledger answering with nothing is backpressure (or the end): the loop idles."""
+job's ledger for prompts on behalf of its group, produce their samples into the store, report,
+repeat until stopped. The ledger answering with nothing is backpressure on the group (or the
+end): the loop idles."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import time
 
 
 class Producer:
-    replica_id: str = "r0"
-
-    def __init__(self) -> None:
+    def __init__(self, replica_id: str, group: str) -> None:
+        self.replica_id, self.group = replica_id, group
         self._stopping = False
         self.totals = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "failed": 0}
 
@@ -18,16 +18,16 @@ class Producer:
         """One report per prompt: {"uid", "ref", "tokens", "nbytes"} or {"uid", "error"}."""
         raise NotImplementedError
 
-    def serve(self, ledger, batch_size: int, idle_s: float = 0.2) -> dict:
+    def serve(self, ledger, batch_size: int, idle_s: float = 0.2, ledger_timeout_s: float = 60.0) -> dict:
         import ray
 
         self._stopping = False
         while not self._stopping:
-            prompts = ray.get(ledger.request_prompts.remote(self.replica_id, batch_size))
+            prompts = ray.get(ledger.request_prompts.remote(self.replica_id, batch_size, self.group), timeout=ledger_timeout_s)
             if not prompts:
                 time.sleep(idle_s)
                 continue
-            ray.get(ledger.report_produced.remote(self.replica_id, self.produce(prompts)))
+            ray.get(ledger.report_produced.remote(self.replica_id, self.produce(prompts)), timeout=ledger_timeout_s)
         return self.stats()
 
     def stop(self) -> None:

@@ -20,28 +20,23 @@ from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_ret
 @dataclass
 class ReplaySettings:
     sample_dir: str
-    store: dict = field(default_factory=dict)
+    store: StoreConfig = field(default_factory=StoreConfig)
     samples_per_s: float = 0.0  # 0: as fast as the store takes them
     put_retry_s: float = 300.0
 
 
 class ReplayActor(Producer):
-    def __init__(self, settings: ReplaySettings | dict, replica_id: str = "replay0") -> None:
+    def __init__(self, settings: ReplaySettings, replica_id: str = "replay0", group: str = "g0") -> None:
         from dspark.samples import read_sample
 
-        super().__init__()
-        self.s = settings if isinstance(settings, ReplaySettings) else ReplaySettings(**settings)
-        self.replica_id = replica_id
+        super().__init__(replica_id, group)
+        self.s = settings
         files = sorted(Path(self.s.sample_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no samples to replay in {self.s.sample_dir}")
         self.samples = [read_sample(f) for f in files]
-        self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()
-        self.rate = self.s.samples_per_s
+        self.store = HiddenStateStore(self.s.store).connect()
         self.totals["full_waits"] = 0
-
-    def set_rate(self, samples_per_s: float) -> None:
-        self.rate = samples_per_s
 
     def reconnect_store(self) -> None:
         self.store.reconnect()
@@ -55,9 +50,9 @@ class ReplayActor(Producer):
         self.totals["full_waits"] += waits
 
     def produce(self, prompts: list[dict]) -> list[dict]:
-        t0 = time.perf_counter()
         reports = []
         for p in prompts:
+            t0 = time.perf_counter()  # per sample: the rates read mid-batch stay true
             sample = self._sample_for(p["id"])
             try:
                 self._put(p["key"], sample)
@@ -67,9 +62,9 @@ class ReplayActor(Producer):
                 continue
             ref = SampleRef.for_sample(p["key"], sample)
             reports.append({"uid": p["uid"], "ref": ref.to_dict(), "tokens": ref.num_tokens, "nbytes": ref.nbytes})
+            if self.s.samples_per_s > 0:
+                time.sleep(1.0 / self.s.samples_per_s)
+            self.totals["seconds"] += time.perf_counter() - t0
             self.totals["prompts"] += 1
             self.totals["generated_tokens"] += ref.num_tokens
-            if self.rate > 0:
-                time.sleep(1.0 / self.rate)
-        self.totals["seconds"] += time.perf_counter() - t0
         return reports

@@ -20,24 +20,22 @@ from pathlib import Path
 
 import torch
 
+from cluster.config import DrafterConfig, TrainerConfig
+from cluster.store import StoreConfig
+
 
 @dataclass
 class TrainerSettings:
+    """What every rank needs, typed (it crosses the Ray boundary as is)."""
+
     target_path: str
-    drafter: dict  # DrafterConfig fields
-    trainer: dict  # TrainerConfig fields
-    store: dict  # StoreConfig fields
+    drafter: DrafterConfig
+    trainer: TrainerConfig
+    store: StoreConfig
     device: str = "cpu"
     total_steps: int = 1000
     aux_layer_ids: list[int] | None = None
-    torch_threads: int | None = None
     extensions_dir: str | None = None
-
-
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def free_port() -> int:
@@ -46,42 +44,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_config(t: dict, world_size: int, device: str) -> dict:
+def deepspeed_config(t: TrainerConfig, world_size: int) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
-        "gradient_clipping": t["grad_clip"],
-        "zero_optimization": {"stage": t["zero_stage"]},
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if t["precision"] == "bf16":
+    if t.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
 
 
 class TrainerRank:
-    def __init__(self, rank: int, world_size: int, settings: TrainerSettings | dict) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.s = settings if isinstance(settings, TrainerSettings) else TrainerSettings(**settings)
-        if self.s.torch_threads:
-            torch.set_num_threads(self.s.torch_threads)
-        if self.s.extensions_dir:
-            os.environ.setdefault("TORCH_EXTENSIONS_DIR", self.s.extensions_dir)
+    def __init__(self, rank: int, world_size: int, group: str, settings: TrainerSettings) -> None:
+        self.rank, self.world_size, self.group, self.s = rank, world_size, group, settings
+        if settings.trainer.torch_threads:
+            torch.set_num_threads(settings.trainer.torch_threads)
+        if settings.extensions_dir:
+            os.environ.setdefault("TORCH_EXTENSIONS_DIR", settings.extensions_dir)
         self.engine = None
         self.batch = None
+        self.batch_rows: list[dict] = []
         self.store = None
         self.fetched_step = None
-        self.data_wait_s = 0.0
 
     def connect_store(self) -> None:
         """Join the store as a pure user: the node's daemon (or the master's actor) lends the
         memory, so samples outlive this rank."""
-        from cluster.store import HiddenStateStore, StoreConfig
+        from cluster.store import HiddenStateStore
 
-        self.store = HiddenStateStore(StoreConfig(**self.s.store)).connect()
+        self.store = HiddenStateStore(self.s.store).connect()
 
     def remove_keys(self, keys: list[str]) -> int:
         """Drop committed (or stale) samples from the store; Mooncake will not evict them."""
@@ -121,16 +118,19 @@ class TrainerRank:
         if "config" in model_init:
             return DSparkConfig.from_speculators_dict(model_init["config"])
         d = self.s.drafter
+        dspark = d.mode == "dspark"
         return DSparkConfig.from_target(
-            self.s.target_path, mode=d["mode"], num_layers=d["num_layers"], block_size=d["block_size"],
-            markov_rank=d["markov_rank"] if d["mode"] == "dspark" else 0, markov_head_type=d["markov_head_type"],
-            enable_confidence_head=d["enable_confidence_head"] if d["mode"] == "dspark" else False,
-            draft_vocab_size=d["draft_vocab_size"], aux_layer_ids=self.s.aux_layer_ids,
-            **({"mask_token_id": d["mask_token_id"]} if d.get("mask_token_id") is not None else {}),
+            self.s.target_path, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
+            markov_rank=d.markov_rank if dspark else 0, markov_head_type=d.markov_head_type,
+            enable_confidence_head=d.enable_confidence_head if dspark else False,
+            draft_vocab_size=d.draft_vocab_size, aux_layer_ids=self.s.aux_layer_ids,
+            **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
         )
 
     def rendezvous_address(self) -> tuple[str, int]:
-        return node_ip(), free_port()
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None,
               resized: bool = False) -> dict:
@@ -150,25 +150,24 @@ class TrainerRank:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         backend = "nccl" if self.s.device == "cuda" else "gloo"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-        d = self.s.drafter
+        d, t = self.s.drafter, self.s.trainer
         cfg = self._config(model_init)
-        torch.manual_seed(self.s.trainer["seed"])  # identical initial weights on every rank
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = DSparkDrafter(cfg)
         model.load_target_weights(self.s.target_path)
         if model.use_draft_vocab:
             model.set_vocab_mapping(torch.tensor(model_init["d2t"]), torch.tensor(model_init["t2d"]))
-        t = self.s.trainer
-        optim = OptimConfig(lr=t["lr"], weight_decay=t["weight_decay"], warmup_steps=t["warmup_steps"],
-                            total_steps=self.s.total_steps, min_lr_ratio=t["min_lr_ratio"], grad_clip=t["grad_clip"])
+        optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+                            total_steps=self.s.total_steps, min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip)
         opt, sched = build_optimizer(model, optim)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size, self.s.device),
+            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size),
         )
         self.model = model
         self.objective = DrafterObjective(
-            model, LossWeights(d["ce_weight"], d["l1_weight"], d["confidence_weight"], d["decay"]), d["num_anchors"],
-            seed=t["seed"] + 1000 * self.rank,
-            autocast_dtype=torch.bfloat16 if t["precision"] == "bf16-mixed" else None,
+            model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
+            seed=t.seed + 1000 * self.rank,
+            autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
         )
         if self.store is None:
             self.connect_store()
@@ -190,8 +189,7 @@ class TrainerRank:
         from cluster.store import SampleMissing, SampleRef, StoreError, StoreUnavailable
         from dspark.samples import CorruptSampleError
 
-        t0 = time.perf_counter()
-        self.batch, self.fetched_step = None, step
+        self.batch, self.batch_rows, self.fetched_step = None, [], step
         failures = (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable)
         refs = [SampleRef.from_dict(row["ref"]) for row in rows]
         missing = []
@@ -208,12 +206,16 @@ class TrainerRank:
                     missing.append(row["uid"])
         if samples and not missing:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
-            dtype = torch.float32 if self.s.trainer["precision"] == "fp32" else torch.bfloat16
+            dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
             self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype)
-        self.data_wait_s += time.perf_counter() - t0
+            self.batch_rows = rows
         return missing
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int, loss_scale: float = 1.0) -> dict:
+        """One optimizer step in lockstep with the other ranks. `loss_scale`: world size over
+        ranks with data, so that DeepSpeed's gradient average is the mean over those ranks
+        (a rank without data adds a zero gradient). Returns the metrics and, under `trained`,
+        the samples this rank trained on (for the exactly-once record)."""
         if self.fetched_step != step:
             raise RuntimeError(f"rank {self.rank}: train_step({step}) without fetch({step})")
         t0 = time.perf_counter()
@@ -223,15 +225,16 @@ class TrainerRank:
         if loss is None:
             # Nothing to learn on this rank this step; still take part in the all-reduce.
             loss = sum((p * 0).sum() for p in self.engine.module.parameters() if p.requires_grad)
-        self.engine.backward(loss)
+        self.engine.backward(loss * loss_scale)
         self.engine.step()
-        if self.s.trainer.get("throttle_s"):
-            time.sleep(self.s.trainer["throttle_s"])
+        if self.s.trainer.throttle_s:
+            time.sleep(self.s.trainer.throttle_s)
         metrics.update(
             step=step, rank=self.rank, tokens=self.batch.num_tokens if self.batch is not None else 0,
             lr=self.scheduler.get_last_lr()[0] if self.scheduler else None, step_s=time.perf_counter() - t0,
+            trained=[{"uid": r["uid"], "source": r.get("group")} for r in self.batch_rows],
         )
-        self.batch = None
+        self.batch, self.batch_rows = None, []
         return metrics
 
     def save(self, tmp_dir: str, step: int, anchor_rngs: list) -> None:
@@ -273,9 +276,6 @@ class TrainerRank:
         batches = [self.objective.pack([s]).to(dtype=torch.float32) for s in samples]
         self.model.float()
         return calibrate_confidence(self.model, batches, self.objective.num_anchors)
-
-    def stats(self) -> dict:
-        return {"rank": self.rank, "data_wait_s": self.data_wait_s}
 
 
 def vocab_mapping_from(samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int,

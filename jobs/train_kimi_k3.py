@@ -3,9 +3,10 @@
     ray job submit --working-dir . -- python jobs/train_kimi_k3.py --config configs/kimi_k3.yaml [key=value ...]
     python jobs/train_kimi_k3.py --config configs/kimi_k3.yaml --plan --simulate 12x4   # dry run
 
-`configs/local.yaml` runs the same pipeline on one CPU box. `--plan` places the topology and
-prints which role lands on which node and GPU, then releases everything; `--simulate NxG`
-does so on a simulated cluster of N nodes with G (fake) GPUs each.
+`configs/local.yaml` runs the same pipeline on one CPU box. `--plan` places the topology,
+prints which role lands on which node and GPU and the capacity plan (hidden-state bytes,
+bandwidth and store memory per group, the drafter's parameters), then releases everything;
+`--simulate NxG` does so on a simulated cluster of N nodes with G (fake) GPUs each.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from cluster.config import ConfigError, load_config  # noqa: E402
 def plan(cfg, simulate: str | None) -> int:
     import ray
 
+    from cluster.capacity import plan as capacity_plan
     from cluster.placement import PlacementError, describe, place_all, release
 
     cluster = None
@@ -43,6 +46,8 @@ def plan(cfg, simulate: str | None) -> int:
         placed = place_all(cfg)
         print(describe(placed))
         release(placed)
+        print()
+        print(capacity_plan(cfg))
         return 0
     except PlacementError as e:
         print(f"cannot place: {e}", file=sys.stderr)
@@ -71,15 +76,29 @@ def main() -> int:
 
     import ray
 
+    from cluster.control import Stop
     from cluster.job import TrainingJob
 
     ray.init(log_to_driver=True)
-    result = TrainingJob(cfg).run()
+    job = TrainingJob(cfg)
+
+    def stop(signum, _frame):
+        # The first signal asks the training loop to stop after its step and still export and
+        # evaluate what it has; a second one aborts at once.
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        job.control.send(Stop(f"{signal.Signals(signum).name} received"))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    result = job.run()
     ev = result["evaluation"]
     print(f"\nheld-out tau = {ev['tau']:.3f} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
           f"lossless={ev['lossless']}; per-position acceptance "
           + " ".join(f"{a:.2f}" for a in ev["per_position_acceptance"]))
-    print(f"drafter: {next(iter(result['groups'].values()))['final']}  (vLLM: method=dspark)")
+    proof = result["exactly_once"]
+    print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
+          f"({proof['crossed']} by another group's rank); record: {proof['record']}")
+    print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
     print(f"results: {result['run_dir']}/result.json")
     return 0
 

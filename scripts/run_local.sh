@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The main job on the embedded default (configs/local.yaml): sets up the environment, starts a
 # local Ray head with its dashboard on 127.0.0.1:8265 if none is running, submits the job with
-# `ray job submit` and streams its log. Extra arguments are config overrides (key=value).
+# `ray job submit` and streams its log. Extra arguments are config overrides (key=value), after an
+# optional `--config FILE` (default configs/local.yaml; configs/local_2groups.yaml runs two groups).
 # Submitting again with the same run_name resumes from the last checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+CONFIG=configs/local.yaml
+if [ "${1:-}" = "--config" ]; then CONFIG=$2; shift 2; fi
 scripts/bootstrap.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -33,4 +36,4 @@ print(json.dumps({
 PY
 )
 exec ray job submit --address "$DASH" --working-dir . --runtime-env-json "$ENV_JSON" -- \
-    python jobs/train_kimi_k3.py --config configs/local.yaml "output_dir=$ROOT/outputs" "$@"
+    python jobs/train_kimi_k3.py --config "$CONFIG" "output_dir=$ROOT/outputs" "$@"

@@ -40,8 +40,7 @@ def run(tmp_path, replay_dir, name, overrides):
     cfg = load_config("configs/local.yaml", base + overrides)
     job = TrainingJob(cfg)
     result = job.run()
-    history = job.ray.get(job.autoscaler.decisions.remote())
-    return result, history
+    return result, job.autoscaler.decisions()
 
 
 def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
@@ -50,7 +49,7 @@ def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, t
     result, history = run(tmp_path, replay_dir, "scale-up", ["data.max_prompts=100", "inference.replay_samples_per_s=2"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:add_replica" in applied, history
-    assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 100}
+    assert result["exactly_once"]["per_epoch"] == {"0": 100} and result["groups"]["g0"]["replicas"] == 2
 
 
 def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
@@ -60,7 +59,7 @@ def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir,
         "transport.segment_mb=16"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:remove_replica" in applied, history
-    assert result["groups"]["g0"]["exactly_once"]["per_epoch"] == {"0": 60}
+    assert result["exactly_once"]["per_epoch"] == {"0": 60}
 
 
 def test_slow_trainer_grows_at_a_checkpoint(ray_cluster, smol_target, replay_dir, tmp_path):
@@ -71,6 +70,7 @@ def test_slow_trainer_grows_at_a_checkpoint(ray_cluster, smol_target, replay_dir
         "trainer.throttle_s=0.5"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:grow_trainer" in applied, history
-    g = result["groups"]["g0"]
-    assert any("trainer resized 1->2" in e for e in g["events"]), g["events"]
-    assert g["exactly_once"]["per_epoch"] == {"0": 120} and g["exactly_once"]["failed"] == []
+    assert any("trainer resized {'g0': 1}->{'g0': 2}" in e for e in result["events"]), result["events"]
+    assert result["world"] == {"g0": 2}
+    assert result["exactly_once"]["per_epoch"] == {"0": 120} and result["exactly_once"]["failed"] == []
+    assert result["exactly_once"]["trained_by_group"] == {"g0": 120}

@@ -5,6 +5,8 @@ extraction does not change what the target generates."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -33,14 +35,14 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
     ray = ray_cluster
     holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=256 << 20)).connect()
     layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
-    base = dict(target_path=str(smol_target), layer_ids=layer_ids, key_prefix="test/g0", max_tokens=40,
-                store={"master": mooncake_master.address}, max_model_len=1024)
+    base = InferenceSettings(target_path=str(smol_target), layer_ids=layer_ids, key_prefix="test/g0", max_tokens=40,
+                             store=StoreConfig(master=mooncake_master.address), max_model_len=1024)
     Actor = ray.remote(num_cpus=1)(InferenceActor)
     file_dir = tmp_path_factory.mktemp("hs_files")
     actors = {
         "mooncake": Actor.remote(base),
-        "file": Actor.remote({**base, "backend": "file", "file_dir": str(file_dir)}),
-        "plain": Actor.remote({**base, "extract": False}),
+        "file": Actor.remote(replace(base, backend="file", file_dir=str(file_dir))),
+        "plain": Actor.remote(replace(base, extract=False)),
     }
     out = {name: ray.get(a.process.remote(PROMPTS)) for name, a in actors.items()}
     stats = ray.get(actors["mooncake"].stats.remote())

@@ -1,6 +1,8 @@
 """`--plan` for the production topology on a simulated 12-node cluster (12 × 4 fake GPUs):
 4 groups × (8 inference GPUs on 2 nodes + 4 trainer GPUs on 1 node), each replica's bundles in
-node order, every node used exactly once; and an impossible topology names what is missing."""
+node order, every node used exactly once, one trainer world of 16 ranks, and the capacity plan;
+the single-node split on one simulated 8-GPU node; an impossible topology names what is
+missing."""
 
 from __future__ import annotations
 
@@ -16,20 +18,26 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def plan(nodes: str) -> subprocess.CompletedProcess:
+def plan(nodes: str, config: str = "kimi_k3.yaml") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, str(ROOT / "jobs" / "train_kimi_k3.py"), "--config",
-                           str(ROOT / "configs" / "kimi_k3.yaml"), "--plan", "--simulate", nodes],
+                           str(ROOT / "configs" / config), "--plan", "--simulate", nodes],
                           capture_output=True, text=True, timeout=300, env=env)
+
+
+def placement_rows(out: str) -> dict[str, list[tuple[str, str, int]]]:
+    by_role = defaultdict(list)
+    for line in out.splitlines():
+        if line.startswith("g") and "/" in line.split()[0]:
+            role, node, device, bundle = line.split()
+            by_role[role].append((node, device, int(bundle)))
+    return by_role
 
 
 def test_production_placement_on_simulated_cluster():
     out = plan("12x4")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("g")]
-    by_role = defaultdict(list)
-    for role, node, device, bundle in rows:
-        by_role[role].append((node, device, int(bundle)))
+    by_role = placement_rows(out.stdout)
     assert sorted(by_role) == [f"g{g}/{r}0" for g in range(4) for r in ("inference", "trainer")]
     nodes_used = defaultdict(set)
     for role, placed in by_role.items():
@@ -44,9 +52,29 @@ def test_production_placement_on_simulated_cluster():
         for n in nodes:
             nodes_used[n].add(role)
     assert len(nodes_used) == 12 and all(len(r) == 1 for r in nodes_used.values())
+    # The capacity plan, in figures to check by hand: 6 states x 7168 x 2 B per token; 16 ranks in
+    # one world; a group's replica puts 17,000 tok/s x 86,016 B = 1.46 GB/s into the store.
+    text = out.stdout
+    assert "6 x 7168 x 2 B (bfloat16) = 86,016 B per token" in text
+    assert "3,325,129,217 trainable parameters" in text and "ZeRO-2 over 16 ranks" in text
+    assert text.count("= 17,000 tok/s = 1.46 GB/s into the store") == 4
+    assert "one step: 16 ranks x 32,768 tokens = 524,288 tokens = 45.1 GB of hidden states read" in text
+    assert text.count("what it may hold is 4.3 steps of data") == 4  # 44.8 GiB / (4 x 32,768 x 86,016 B)
+
+
+def test_single_node_split_on_one_simulated_node():
+    out = plan("1x8", "single_node_8gpu.yaml")
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_role = placement_rows(out.stdout)
+    assert sorted(by_role) == ["g0/inference0", "g0/trainer0"]
+    (rep_node,) = {n for n, _, _ in by_role["g0/inference0"]}
+    (trainer_node,) = {n for n, _, _ in by_role["g0/trainer0"]}
+    assert rep_node == trainer_node and len(by_role["g0/inference0"]) == 4 and len(by_role["g0/trainer0"]) == 4
+    assert "network: none (the replica and the ranks share one node's store daemon)" in out.stdout
+    assert "1 node(s) x 512 GiB lent" in out.stdout
 
 
 def test_impossible_topology_names_the_missing_resource():
     out = plan("10x4")
     assert out.returncode == 2
-    assert "missing 2 node(s), 8 GPU(s)" in out.stderr, out.stderr[-2000:]
+    assert "missing 2 node(s) of 4 GPUs, 8 GPU(s)" in out.stderr, out.stderr[-2000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from cluster.ledger import SampleLedger
 from cluster.master import MooncakeMaster
 from cluster.node_store import NodeStore
-from cluster.replay import ReplayActor
+from cluster.replay import ReplayActor, ReplaySettings
 from cluster.store import HiddenStateStore, StoreConfig, StoreError, StoreUnavailable
 from dspark.samples import Sample, write_sample
 
@@ -51,7 +52,7 @@ class Consumer:
         from cluster.store import SampleRef
 
         while self.step < max_steps:
-            lease = ray.get(self.ledger.lease_step.remote(self.step + 1, 1, 3000))
+            lease = ray.get(self.ledger.lease_step.remote(self.step + 1, ["g0"], 3000))
             if lease is None:
                 if ray.get(self.ledger.drained.remote()):
                     break
@@ -127,14 +128,15 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
         store["node_client"] = ray.get(daemon.info.remote())["address"]
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n_prompts)]
     high = (segment_mb << 20) * (10 if scenario == "full_store" else 0.7)  # full_store: no ledger backpressure
-    ledger = ray.remote(num_cpus=0)(SampleLedger).remote("g0", prompts, epochs=2, key_prefix=scenario,
-                                                         high_watermark_bytes=int(high), low_watermark_bytes=int(high * 0.5))
+    ledger = ray.remote(num_cpus=0)(SampleLedger).remote(prompts, epochs=2, key_prefix=scenario,
+                                                         watermarks={"g0": (int(high), int(high * 0.5))})
     C = ray.remote(num_cpus=0, max_concurrency=2)(Consumer)
     ckpt = str(tmp_path / f"{scenario}.json")
     consumer = C.remote(ledger, store, ckpt)
     P = ray.remote(num_cpus=0, max_concurrency=2)(ReplayActor)
     rate = 40.0 if scenario in ("kill_producer", "restart_master", "restart_daemon") else 0.0
-    producers = {f"r{i}": P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, f"r{i}") for i in range(2)}
+    settings = ReplaySettings(str(sample_dir), StoreConfig(**store), rate)
+    producers = {f"r{i}": P.remote(settings, f"r{i}") for i in range(2)}
     serving = {rid: p.serve.remote(ledger, 4) for rid, p in producers.items()}
     events = []
     seq = 2
@@ -152,7 +154,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
                     del serving[rid], producers[rid]
                     new = f"r{seq}"
                     seq += 1
-                    producers[new] = P.remote({"sample_dir": str(sample_dir), "store": store, "samples_per_s": rate}, new)
+                    producers[new] = P.remote(settings, new)
                     serving[new] = producers[new].serve.remote(ledger, 4)
 
     generation = ray.get(master.info.remote())["generation"]
@@ -191,7 +193,10 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
         assert time.monotonic() - t0 < 240, counts
     ray.get(run)
     seen = ray.get(consumer.seen_uids.remote())
-    report = ray.get(ledger.verify_exactly_once.remote())
+    outcome = ray.get(ledger.outcome.remote())
+    assert outcome["unfinished"] == [], outcome["unfinished"][:5]
+    report = {"failed": sorted(outcome["failed"]),
+              "per_epoch": dict(sorted(Counter(u.rsplit("@", 1)[1] for u in outcome["trained"]).items()))}
     report["errors"] = [ev for ev in ray.get(ledger.state_dict.remote())["entries"] if ev["state"] == "failed"]
     report["missing_reported"] = ray.get(consumer.missing_reported.remote())
     stats = ray.get([p.stats.remote() for p in producers.values()])

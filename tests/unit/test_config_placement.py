@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.placement import PlacementError, check_topology, role_specs, sort_bundles_by_node
+from cluster.placement import PlacementError, check_topology, role_specs, sort_bundles_by_node, trainer_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,6 +16,10 @@ def test_shipped_configs_load():
     k3 = load_config(ROOT / "configs" / "kimi_k3.yaml")
     assert k3.drafter.num_layers == 5 and k3.drafter.block_size == 8 and k3.target.kv_cache_dtype == "fp8"
     assert k3.transport.protocol == "rdma" and len(k3.topology.groups) == 4
+    two = load_config(ROOT / "configs" / "local_2groups.yaml")
+    assert [g.name for g in two.topology.groups] == ["g0", "g1"] and all(g.trainer_ranks == 1 for g in two.topology.groups)
+    one_node = load_config(ROOT / "configs" / "single_node_8gpu.yaml")
+    assert one_node.target.tensor_parallel_size == 4 and one_node.topology.groups[0].trainer_ranks == 4
 
 
 @pytest.mark.parametrize("override, key", [
@@ -31,9 +35,24 @@ def test_bad_config_names_the_key(override, key):
         load_config(ROOT / "configs" / "local.yaml", override)
 
 
-def test_cuda_tp_must_match_gpus():
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        load_config(ROOT / "configs" / "kimi_k3.yaml", ["target.tensor_parallel_size=4"])
+def test_cuda_tp_must_fit_the_nodes():
+    # 12 GPUs over 2 nodes is 6 per node on 4-GPU nodes; 7 does not split over 2 nodes
+    for tp in (12, 7):
+        with pytest.raises(ConfigError, match="tensor_parallel_size"):
+            load_config(ROOT / "configs" / "kimi_k3.yaml", [f"target.tensor_parallel_size={tp}"])
+    with pytest.raises(ConfigError, match="trainer_ranks_per_node"):
+        load_config(ROOT / "configs" / "single_node_8gpu.yaml", ["topology.groups.0.trainer_ranks_per_node=9"])
+
+
+def test_single_node_split_counts_gpus_per_node():
+    cfg = load_config(ROOT / "configs" / "single_node_8gpu.yaml")
+    check_topology(cfg, fake_nodes(1, 8))  # a TP-4 replica and 4 trainer ranks share one 8-GPU node
+    with pytest.raises(PlacementError, match="missing 1 node"):
+        check_topology(cfg, fake_nodes(1, 6))  # 4 + 4 GPUs do not fit 6
+    two = load_config(ROOT / "configs" / "single_node_8gpu.yaml", ["topology.groups.0.trainer_ranks_per_node=5"])
+    with pytest.raises(PlacementError, match="missing 1 node"):
+        check_topology(two, fake_nodes(1, 8))
+    check_topology(two, fake_nodes(2, 8))
 
 
 def fake_nodes(n, gpus, cpus=64):
@@ -65,10 +84,12 @@ def test_roles_for_production_topology():
 
 def test_resized_trainer_fills_whole_nodes_first():
     k3 = load_config(ROOT / "configs" / "kimi_k3.yaml", ["run_name=k3"])
-    tr = [s for s in role_specs(k3, 1, trainer_ranks=6, generation=2) if s.role == "trainer"]
-    assert [len(s.bundles) for s in tr] == [4, 2] and all(s.group == "g1" for s in tr)
+    tr = [s for s in trainer_specs(k3, {"g1": 6}, generation=2) if s.group == "g1"]
+    assert [len(s.bundles) for s in tr] == [4, 2]
     assert [s.name for s in tr] == ["k3/g1/trainer0.2", "k3/g1/trainer1.2"]  # never a live group's name
-    assert [s.name for s in role_specs(k3, 1) if s.role == "trainer"] == ["k3/g1/trainer0"]
+    assert [s.name for s in role_specs(k3) if s.role == "trainer" and s.group == "g1"] == ["k3/g1/trainer0"]
+    # the world's rank order: group by group
+    assert [s.group for s in trainer_specs(k3, {"g1": 6})] == ["g0", "g1", "g1", "g2", "g3"]
 
 
 def test_bundles_sorted_by_node():
@@ -96,14 +117,26 @@ def test_resource_request_for_a_trainer_wait_asks_trainer_bundles(monkeypatch):
 
     import ray.autoscaler.sdk as sdk
 
-    from cluster.job import TrainingJob
+    from cluster.autoscaler import AutoscaleLoop
 
     asked = []
     monkeypatch.setattr(sdk, "request_resources", lambda bundles: asked.append(bundles))
-    job = TrainingJob.__new__(TrainingJob)
-    job.cfg = load_config(ROOT / "configs" / "kimi_k3.yaml")
-    job.groups = [SimpleNamespace(index=i, name=f"g{i}", replicas={"r0": None}, ranks=[0] * 4) for i in range(4)]
-    job._request_resources(job.groups[1], "trainer 4->8 ranks needs GPUs", trainer_ranks=8)
-    job._request_resources(job.groups[1], "starving")
+    loop = AutoscaleLoop.__new__(AutoscaleLoop)
+    loop.cfg = load_config(ROOT / "configs" / "kimi_k3.yaml")
+    loop.pools = {f"g{i}": [object()] for i in range(4)}  # one replica each
+    loop.stats = SimpleNamespace(layout={f"g{i}": 4 for i in range(4)})
+    loop.request_resources("g1", "trainer 4->8 ranks needs GPUs", trainer_ranks=8)
+    loop.request_resources("g1", "starving")
     gpus = [sum(b.get("GPU", 0) for b in a) for a in asked]
     assert gpus == [52, 56]  # 48 running + 4 trainer GPUs; 48 + one 8-GPU replica
+
+
+def test_gpu_packing_is_exact_where_best_fit_is_not():
+    from cluster.placement import _fits
+
+    # Best-fit decreasing puts 4+3 on the first node and is left with 3,2,2,2 for the second: it
+    # would say no. 4+2+2 and 3+3+2 fit.
+    assert _fits([4, 3, 3, 2, 2, 2], [8, 8])
+    assert not _fits([4, 3, 3, 2, 2, 3], [8, 8])  # 17 GPUs of shares on 16
+    assert not _fits([5, 5, 5], [8, 8])  # 15 <= 16 GPUs, but no node holds two shares of 5
+    assert _fits([4] * 12, [4] * 12) and not _fits([4] * 12, [4] * 11)

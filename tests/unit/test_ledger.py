@@ -1,5 +1,6 @@
 """The ledger under random failures: whatever the interleaving of replica deaths, master
-restarts, trainer restarts and checkpoints, every prompt of every epoch ends trained once."""
+restarts, trainer restarts and checkpoints, every prompt of every epoch ends trained once, over
+several groups; and the global step's assembly (own group first, borrowing from deep queues)."""
 
 from __future__ import annotations
 
@@ -8,34 +9,46 @@ import random
 import pytest
 
 from cluster.ledger import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance
+from cluster.record import ExactlyOnceViolation, TrainingRecord
 
 
 def prompts(n):
     return [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n)]
 
 
-def produce(ledger, replica, n, rng, fail_rate=0.0):
-    handed = ledger.request_prompts(replica, n)
+def produce(ledger, replica, n, rng, fail_rate=0.0, group="g0", nbytes=1000):
+    handed = ledger.request_prompts(replica, n, group)
     results = []
     for p in handed:
         if rng.random() < fail_rate:
             results.append({"uid": p["uid"], "error": "boom"})
         else:
-            results.append({"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": rng.randint(5, 50), "nbytes": 1000})
+            results.append({"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": rng.randint(5, 50), "nbytes": nbytes})
     return handed, results
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_random_failures_keep_exactly_once(seed):
+def test_random_failures_keep_exactly_once(seed, tmp_path):
+    """Two groups (replicas r0/r1 in g0, r2 in g1), three ranks (two in g0, one in g1). The
+    training record, rolled back with the model at every trainer crash, is the proof."""
     rng = random.Random(seed)
-    ledger = SampleLedger("g0", prompts(40), epochs=2, high_watermark_bytes=15_000, low_watermark_bytes=8_000, max_attempts=50,
-                          reuse_across_epochs=seed % 2 == 1)
-    trained_log = []  # (uid, step) as a "model" would see them, reset on trainer restart
-    checkpoint = {"step": 0, "state": ledger.checkpoint_state(0), "log": []}
+    ledger = SampleLedger(prompts(40), epochs=2, watermarks={"g0": (15_000, 8_000), "g1": (6_000, 2_000)},
+                          max_attempts=50, reuse_across_epochs=seed % 2 == 1)
+    record = TrainingRecord(tmp_path / "trained.jsonl")
+    rank_groups = ["g0", "g0", "g1"]
+    groups = {"r0": "g0", "r1": "g0", "r2": "g1"}
+    checkpoint = {"step": 0, "state": ledger.checkpoint_state(0), "rows": 0}
     step = 0
     in_flight = {}  # replica -> results not yet reported
     generation = 1
     ledger.master_restarted(generation)
+
+    def commit():
+        nonlocal checkpoint
+        rows = record.commit(step)
+        checkpoint = {"step": step, "state": ledger.checkpoint_state(step), "rows": rows}
+        ledger.commit(step)
+
     for _ in range(2000):
         if ledger.done():
             break
@@ -43,7 +56,7 @@ def test_random_failures_keep_exactly_once(seed):
         replica = f"r{rng.randint(0, 2)}"
         if action < 0.35:
             if replica not in in_flight:
-                in_flight[replica] = produce(ledger, replica, rng.randint(1, 6), rng, fail_rate=0.1)[1]
+                in_flight[replica] = produce(ledger, replica, rng.randint(1, 6), rng, 0.1, groups[replica])[1]
         elif action < 0.6 and in_flight:
             r = rng.choice(sorted(in_flight))
             ledger.report_produced(r, in_flight.pop(r))
@@ -55,45 +68,78 @@ def test_random_failures_keep_exactly_once(seed):
             generation += 1
             ledger.master_restarted(generation)
         elif action < 0.85:
-            lease = ledger.lease_step(step + 1, world_size=2, batch_tokens=60)
+            lease = ledger.lease_step(step + 1, rank_groups, batch_tokens=60)
             if lease:
                 step += 1
-                trained_log += [(row["uid"], step) for rank in lease for row in rank]
+                for rank, rows in enumerate(lease):  # what each rank "trained"
+                    record.add(step, rank, rank_groups[rank], [{"uid": r["uid"], "source": r["group"]} for r in rows])
         elif action < 0.95:
-            checkpoint = {"step": step, "state": ledger.checkpoint_state(step), "log": list(trained_log)}
-            ledger.commit(step)
-        else:  # trainer crash: the model goes back to the checkpoint, the ledger follows it
+            commit()
+        else:  # trainer crash: the model goes back to the checkpoint, the ledger and the record follow it
             step = checkpoint["step"]
-            trained_log = list(checkpoint["log"])
+            record.rollback_to(checkpoint["rows"])
             ledger.load_state_dict(checkpoint["state"], master_generation=generation)
             in_flight.clear()
-        # drain at the end: nothing more to lease → checkpoint
-        if ledger.drained() and not in_flight:
-            checkpoint = {"step": step, "state": ledger.checkpoint_state(step), "log": list(trained_log)}
-            ledger.commit(step)
+        if ledger.drained() and not in_flight:  # drain at the end: nothing more to lease → checkpoint
+            commit()
     assert ledger.done(), ledger.counts()
-    report = ledger.verify_exactly_once()
-    assert report["per_epoch"] == {"0": 40 - sum(u.endswith("@0") for u in report["failed"]),
-                                   "1": 40 - sum(u.endswith("@1") for u in report["failed"])}
-    # the model's view agrees: each trained uid appears once in what the final model saw
-    seen = [u for u, _ in trained_log]
-    assert len(seen) == len(set(seen))
-    assert set(seen) == {u for u, e in ledger.entries.items() if e.state == TRAINED}
+    proof = record.verify(ledger.outcome())
+    failed = proof["failed"]
+    assert proof["per_epoch"] == {"0": 40 - sum(u.endswith("@0") for u in failed), "1": 40 - sum(u.endswith("@1") for u in failed)}
+    # the record is independent of the ledger's counts: each trained uid appears in it exactly once
+    uids = [r["uid"] for r in record.rows()]
+    assert len(uids) == len(set(uids)) and set(uids) == {u for u, e in ledger.entries.items() if e.state == TRAINED}
+    assert set(proof["generated_by_group"]) <= {"g0", "g1"} and sum(proof["generated_by_group"].values()) == len(uids)
+
+
+def test_step_takes_own_group_first_then_borrows_from_a_deep_queue():
+    ledger = SampleLedger(prompts(12), watermarks={"g0": (10_000, 2_500), "g1": (10_000, 2_500)})
+    rng = random.Random(0)
+    _, res = produce(ledger, "a", 6, rng, group="g0")  # g0: 6 samples, 6,000 bytes held
+    ledger.report_produced("a", res)
+    lease = ledger.lease_step(1, ["g0", "g1"], batch_tokens=60)
+    g0_rows, g1_rows = lease
+    assert g0_rows and all(r["group"] == "g0" for r in g0_rows)
+    assert sum(ledger.entries[r["uid"]].tokens for r in g0_rows) <= 60 or len(g0_rows) == 1  # its own budget first
+    assert g1_rows and all(r["group"] == "g0" for r in g1_rows)  # g1 had nothing: borrowed from g0's deep queue
+    assert all(ledger.entries[r["uid"]].crossed for r in g1_rows) and not any(ledger.entries[r["uid"]].crossed for r in g0_rows)
+    assert ledger.lease_step(1, ["g0", "g1"], batch_tokens=60) == lease  # idempotent
+
+
+def test_no_borrowing_below_the_donors_low_watermark():
+    ledger = SampleLedger(prompts(12), watermarks={"g0": (10_000, 5_000), "g1": (10_000, 5_000)})
+    _, res = produce(ledger, "a", 4, random.Random(0), group="g0")  # 4,000 bytes: below g0's low watermark
+    ledger.report_produced("a", res)
+    g0_rows, g1_rows = ledger.lease_step(1, ["g0", "g1"], batch_tokens=10_000)
+    assert len(g0_rows) == 4 and g1_rows == []  # g1's rank steps with a zero gradient; g0's samples stay local
+    ledger.commit(1)
+    _, res = produce(ledger, "b", 3, random.Random(1), group="g1")
+    ledger.report_produced("b", res)
+    assert ledger.lease_step(2, ["g0", "g1"], batch_tokens=10_000)[0] == []  # and the other way round
+    assert ledger.lease_step(3, ["g0", "g1"], batch_tokens=10_000) is None  # nobody has anything ready
+
+
+def test_backpressure_is_per_group():
+    ledger = SampleLedger(prompts(10), watermarks={"g0": (3000, 1000), "g1": (3000, 1000)})
+    _, res = produce(ledger, "r0", 3, random.Random(0), group="g0")
+    ledger.report_produced("r0", res)
+    assert ledger.counts()["groups"]["g0"]["paused"] and ledger.request_prompts("r0", 5, "g0") == []
+    assert len(ledger.request_prompts("r1", 2, "g1")) == 2  # g1's store memory is not g0's
 
 
 def test_backpressure_hysteresis():
-    ledger = SampleLedger("g0", prompts(10), high_watermark_bytes=3000, low_watermark_bytes=1000)
+    ledger = SampleLedger(prompts(10), watermarks={"g0": (3000, 1000)})
     rng = random.Random(0)
     _, res = produce(ledger, "r0", 3, rng)
     ledger.report_produced("r0", res)
     assert ledger.counts()["paused"] and ledger.request_prompts("r0", 5) == []
-    ledger.lease_step(1, 1, 10_000)
+    ledger.lease_step(1, ["g0"], 10_000)
     ledger.commit(1)
     assert not ledger.counts()["paused"] and len(ledger.request_prompts("r0", 2)) == 2
 
 
 def test_epoch_order_and_stale_reports():
-    ledger = SampleLedger("g0", prompts(3), epochs=2)
+    ledger = SampleLedger(prompts(3), epochs=2)
     first = ledger.request_prompts("r0", 10)
     assert [p["uid"] for p in first] == ["p0@0", "p1@0", "p2@0"]  # epoch 1 waits for epoch 0
     ledger.replica_died("r0")
@@ -103,28 +149,28 @@ def test_epoch_order_and_stale_reports():
     assert again[0]["key"] != first[0]["key"]  # a regenerated sample gets a fresh key
 
 
-def test_failures_are_final_and_reported():
-    ledger = SampleLedger("g0", prompts(1), max_attempts=2)
+def test_failures_are_final_and_reported(tmp_path):
+    ledger = SampleLedger(prompts(1), max_attempts=2)
     for _ in range(2):
         p = ledger.request_prompts("r0", 1)
         ledger.report_produced("r0", [{"uid": p[0]["uid"], "error": "corrupt"}])
     assert ledger.entries["p0@0"].state == FAILED
-    assert ledger.verify_exactly_once()["failed"] == ["p0@0"]
+    assert TrainingRecord(tmp_path / "r.jsonl").verify(ledger.outcome())["failed"] == ["p0@0"]
 
 
-def test_unfinished_ledger_does_not_verify():
-    ledger = SampleLedger("g0", prompts(2))
-    with pytest.raises(LedgerError):
-        ledger.verify_exactly_once()
+def test_unfinished_ledger_does_not_verify(tmp_path):
+    ledger = SampleLedger(prompts(2))
+    with pytest.raises(ExactlyOnceViolation, match="neither trained nor failed"):
+        TrainingRecord(tmp_path / "r.jsonl").verify(ledger.outcome())
 
 
 def test_lease_is_idempotent_and_balanced():
-    ledger = SampleLedger("g0", prompts(8))
+    ledger = SampleLedger(prompts(8))
     p = ledger.request_prompts("r0", 8)
     ledger.report_produced("r0", [{"uid": x["uid"], "ref": {"key": x["key"]}, "tokens": 10 * (i + 1), "nbytes": 1}
                                   for i, x in enumerate(p)])
-    a = ledger.lease_step(1, 2, 1000)
-    assert a == ledger.lease_step(1, 2, 1000)
+    a = ledger.lease_step(1, ["g0", "g0"], 1000)
+    assert a == ledger.lease_step(1, ["g0", "g0"], 1000)
     loads = [sum(ledger.entries[r["uid"]].tokens for r in rank) for rank in a]
     assert abs(loads[0] - loads[1]) <= 10
     assert all(e.state == LEASED for e in ledger.entries.values())
@@ -138,58 +184,104 @@ def test_balance():
 
 def test_duplicate_ids_rejected():
     with pytest.raises(LedgerError, match="unique"):
-        SampleLedger("g0", prompts(2) + prompts(1))
+        SampleLedger(prompts(2) + prompts(1))
 
 
 def test_greedy_epochs_reuse_stored_samples():
-    ledger = SampleLedger("g0", prompts(3), epochs=3, reuse_across_epochs=True)
+    ledger = SampleLedger(prompts(3), epochs=3, reuse_across_epochs=True)
     handed = ledger.request_prompts("r0", 10)
     assert [p["uid"] for p in handed] == ["p0@0", "p1@0", "p2@0"]
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
     removed = []
     for step in range(1, 4):  # no commit in between: the next epoch is available at once
-        lease = ledger.lease_step(step, 1, 1000)
+        lease = ledger.lease_step(step, ["g0"], 1000)
         assert sorted(r["ref"]["key"] for r in lease[0]) == sorted(p["key"] for p in handed)
         assert ledger.request_prompts("r0", 10) == []  # nothing is ever regenerated
-    assert ledger.lease_step(4, 1, 1000) is None
+    assert ledger.lease_step(4, ["g0"], 1000) is None
     for step in range(1, 4):
         removed += ledger.commit(step)
     assert sorted(removed) == sorted(p["key"] for p in handed)  # dropped after the last epoch only
-    assert ledger.verify_exactly_once()["per_epoch"] == {"0": 3, "1": 3, "2": 3}
+    assert ledger.done() and ledger.counts()["trained"] == 9
 
 
 def test_later_epochs_wait_for_every_sample_of_the_current_one():
-    ledger = SampleLedger("g0", prompts(6), epochs=2, reuse_across_epochs=True)
+    ledger = SampleLedger(prompts(6), epochs=2, reuse_across_epochs=True)
     first = ledger.request_prompts("r0", 2)  # a slow replica: only two samples exist so far
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in first])
-    lease = ledger.lease_step(1, 1, 1000)
+    lease = ledger.lease_step(1, ["g0"], 1000)
     assert sorted(r["uid"] for r in lease[0]) == ["p0@0", "p1@0"]
     assert ledger.counts()["to_generate"] == 4  # the rest of epoch 0; epoch 1 reuses it all
     assert ledger.queued_bytes() == 2  # leased p0@0 and stored p0@1 are one object in the store
     assert ledger.entries["p0@1"].state == STORED  # its next epoch reuses the sample...
-    assert ledger.lease_step(2, 1, 1000) is None  # ...but waits until epoch 0 is all leased
+    assert ledger.lease_step(2, ["g0"], 1000) is None  # ...but waits until epoch 0 is all leased
     rest = ledger.request_prompts("r0", 10)
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in rest])
-    assert sorted(r["uid"] for r in ledger.lease_step(2, 1, 1000)[0]) == [f"p{i}@0" for i in range(2, 6)]
-    epoch1 = [r["uid"] for r in ledger.lease_step(3, 1, 1000)[0]]
+    assert sorted(r["uid"] for r in ledger.lease_step(2, ["g0"], 1000)[0]) == [f"p{i}@0" for i in range(2, 6)]
+    epoch1 = [r["uid"] for r in ledger.lease_step(3, ["g0"], 1000)[0]]
     assert sorted(epoch1) == [f"p{i}@1" for i in range(6)]
     assert epoch1 == [u for u in ledger.order if u.endswith("@1")]
     assert epoch1 != sorted(epoch1)  # shuffled, deterministically by the seed
-    assert [u for u in SampleLedger("g0", prompts(6), epochs=2).order if u.endswith("@1")] == epoch1
+    assert [u for u in SampleLedger(prompts(6), epochs=2).order if u.endswith("@1")] == epoch1
 
 
 def test_a_full_store_lifts_the_epoch_wait():
     # The store holds two samples: they and their reused next epochs must be trainable, or
     # producers (paused) and the trainer (waiting for epoch 0) would wait on each other.
-    ledger = SampleLedger("g0", prompts(4), epochs=2, reuse_across_epochs=True,
-                          high_watermark_bytes=2000, low_watermark_bytes=0)
+    ledger = SampleLedger(prompts(4), epochs=2, reuse_across_epochs=True, watermarks={"g0": (2000, 0)})
     first = ledger.request_prompts("r0", 2)
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1000} for p in first])
     assert ledger.request_prompts("r0", 2) == []  # paused
-    ledger.lease_step(1, 1, 1000)
+    ledger.lease_step(1, ["g0"], 1000)
     ledger.commit(1)
     assert ledger.counts()["paused"]  # epoch 1 still holds both samples
-    lease = ledger.lease_step(2, 1, 1000)
+    lease = ledger.lease_step(2, ["g0"], 1000)
     assert sorted(r["uid"] for r in lease[0]) == ["p0@1", "p1@1"]
     assert sorted(ledger.commit(2)) == sorted(p["key"] for p in first)
     assert len(ledger.request_prompts("r0", 2)) == 2  # room again
+
+
+def test_released_samples_leave_the_store_after_their_step_and_are_regenerated_on_rollback():
+    ledger = SampleLedger(prompts(4), watermarks={"g0": (3000, 1000)})
+    _, res = produce(ledger, "r0", 3, random.Random(0))  # 3,000 bytes held: producers pause
+    ledger.report_produced("r0", res)
+    assert ledger.counts()["paused"]
+    leased = [r["uid"] for r in ledger.lease_step(1, ["g0"], 10_000)[0]]
+    keys = ledger.release(1)  # trainer.release_samples=after_step
+    assert sorted(keys) == sorted(ledger.entries[u].ref["key"] for u in leased) and ledger.queued_bytes() == 0
+    assert not ledger.counts()["paused"]  # the bytes are gone: producers go on before the checkpoint
+    assert ledger.release(1) == []  # once
+    ledger.trainer_restarted(0)  # the model went back before step 1: those samples must be generated again
+    assert all(ledger.entries[u].state == PENDING for u in leased)
+    assert {p["uid"] for p in ledger.request_prompts("r0", 10)} >= set(leased)
+
+
+def test_commit_does_not_hand_back_released_keys():
+    ledger = SampleLedger(prompts(2))
+    _, res = produce(ledger, "r0", 2, random.Random(0))
+    ledger.report_produced("r0", res)
+    ledger.lease_step(1, ["g0"], 10_000)
+    released = ledger.release(1)
+    assert len(released) == 2 and ledger.commit(1) == [] and ledger.done()
+
+
+def test_no_rank_gets_more_than_its_budget():
+    ledger = SampleLedger(prompts(3))
+    handed = ledger.request_prompts("r0", 3)
+    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": t, "nbytes": 1}
+                                  for p, t in zip(handed, (90, 90, 20))])
+    lease = ledger.lease_step(1, ["g0", "g0"], batch_tokens=100)
+    assert sorted(sum(ledger.entries[r["uid"]].tokens for r in rows) for rows in lease) == [90, 90]
+    assert [r["uid"] for r in ledger.lease_step(2, ["g0", "g0"], 100)[0]] == ["p2@0"]  # the 20 waits for the next step
+
+
+def test_a_reused_sample_lost_after_its_predecessor_was_leased_is_regenerated():
+    # p0@1 inherits p0@0's stored sample when p0@0 is leased; if that object is then found gone
+    # (p0@1's read fails) before p0@0 is committed, p0@1 must be generated again, or the job
+    # would wait for it forever at the end of the data.
+    ledger = SampleLedger(prompts(1), epochs=2, reuse_across_epochs=True)
+    handed = ledger.request_prompts("r0", 1)
+    ledger.report_produced("r0", [{"uid": handed[0]["uid"], "ref": {"key": handed[0]["key"]}, "tokens": 5, "nbytes": 1}])
+    ledger.lease_step(1, ["g0"], 100)  # p0@0 leased, p0@1 inherits its sample
+    assert ledger.lease_step(2, ["g0"], 100)[0][0]["uid"] == "p0@1"
+    ledger.release_lease(2, ["p0@1"])  # gone from the store
+    assert ledger.to_generate() == 1 and [p["uid"] for p in ledger.request_prompts("r0", 5)] == ["p0@1"]

@@ -1,0 +1,111 @@
+"""What a running job tells its user: the `[progress]` lines in the job log, the
+`ray_dspark_*` series in the Ray dashboard (via `cluster.metrics`) and wandb.
+
+`TrainingStats` is the training loop's own account (step, seconds computing and waiting, last
+metrics); the loop writes it, the reporter thread only reads it. `ProgressReporter` reads that,
+the ledger's counts and the replica pools' rates, and publishes them: one line for the trainer
+world and one per group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+
+from cluster.metrics import Metrics
+
+log = logging.getLogger("dspark.progress")
+TRAIN_METRICS = ("loss", "ce", "l1", "confidence_bce", "expected_tau", "greedy_tau", "lr")
+SAMPLE_STATES = ("pending", "generating", "stored", "leased", "trained", "failed")
+
+
+@dataclass
+class TrainingStats:
+    step: int = 0
+    train_s: float = 0.0  # seconds in train_step calls
+    data_wait_s: float = 0.0  # seconds waiting for a step's data (assembly and reads)
+    last: dict = field(default_factory=dict)  # rank 0's metrics of the last step
+    ranks: int = 0
+    layout: dict = field(default_factory=dict)  # trainer ranks per group
+    resize_seq_handled: int = 0  # the last resize request the loop has acted on (applied or refused)
+
+
+def eta(stats: TrainingStats, counts: dict, gen_rate: float) -> float:
+    """Seconds until the slower of generation (what is left, at the current rate) and
+    training (what is left, at the trainer's own pace, data waits excluded) is done."""
+    done = counts["trained"] + counts["leased"]
+    if not done or not stats.step:
+        return float("nan")
+    to_generate = counts["to_generate"]
+    tokens_per_sample = counts.get("produced_tokens", 0) / max(counts.get("produced_samples", 0), 1)
+    gen_s = to_generate * tokens_per_sample / gen_rate if to_generate and gen_rate > 0 else 0.0
+    train_s = (counts["total"] - done) / (done / stats.step) * (stats.train_s / stats.step)
+    return max(gen_s, train_s)
+
+
+class ProgressReporter:
+    def __init__(self, metrics: Metrics, ledger, pools: dict, stats: TrainingStats, services, wandb_run=None) -> None:
+        import ray
+
+        self.ray, self.metrics, self.ledger, self.pools, self.stats = ray, metrics, ledger, pools, stats
+        self.services, self.wandb = services, wandb_run
+
+    def on_step(self, step: int, per_rank: list[dict]) -> None:
+        """After every optimizer step: counters, the loss terms, wandb."""
+        m = per_rank[0]
+        self.publish_train(m)
+        self.metrics.count("train_steps", 1)
+        self.metrics.count("trained_tokens", sum(x.get("tokens", 0) for x in per_rank))
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+
+    def publish_train(self, m: dict) -> None:
+        for k in TRAIN_METRICS:
+            if m.get(k) is not None:
+                self.metrics.gauge(f"train_{k}", m[k])
+
+    def report(self) -> str:
+        """Publish every gauge and return the progress lines."""
+        try:  # only a metric: a dead daemon's samples are found missing by readers
+            self.metrics.gauge("store_daemon_restarts", self.services.daemon_restarts())
+            self.metrics.gauge("master_restarts", self.services.master_info()["restarts"])
+        except Exception:  # noqa: BLE001 - a metric is not worth failing the report for
+            pass
+        c = self.ray.get(self.ledger.counts.remote(), timeout=30)
+        for k in SAMPLE_STATES:
+            self.metrics.gauge(f"samples_{k}", c[k])
+        self.metrics.gauge("oldest_lease_s", c["oldest_lease_s"])
+        self.metrics.gauge("crossed_samples", c.get("crossed_samples", 0))
+        self.metrics.gauge("trainer_ranks", self.stats.ranks)
+        s, m = self.stats, self.stats.last
+        gen_total, lines = 0.0, []
+        for name, pool in self.pools.items():
+            g = c["groups"].get(name, {})
+            rate = sum(x["tokens_per_s"] for x in pool.stats())
+            gen_total += rate
+            tags = {"group": name}
+            self.metrics.gauge("queue_bytes", g.get("queued_bytes", 0), **tags)
+            self.metrics.gauge("queue_samples", g.get("stored", 0), **tags)
+            self.metrics.gauge("producers_paused", int(g.get("paused", False)), **tags)
+            self.metrics.gauge("inference_tokens_per_s", rate, **tags)
+            self.metrics.gauge("inference_replicas", len(pool), **tags)
+            self.metrics.gauge("samples_generated", g.get("produced_samples", 0), **tags)
+            lines.append(
+                f"[progress]   {name}: in {rate:.0f} tok/s (replicas {len(pool)}) | generated {g.get('produced_samples', 0)} "
+                f"| queue {g.get('stored', 0)} samples {g.get('queued_bytes', 0) / 2**20:.0f} MiB"
+                f"{' (paused)' if g.get('paused') else ''} | trained {g.get('trained_samples', 0)}, "
+                f"{g.get('crossed_samples', 0)} of them by another group's ranks")
+        left = eta(s, c, gen_total)
+        head = (f"[progress] step {s.step} ({s.ranks} ranks) | trained {c['trained']}+{c['leased']} leased / {c['total']} "
+                f"| loss {m.get('loss', math.nan):.3f} tau~{m.get('expected_tau', math.nan):.2f} "
+                f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min")
+        return "\n".join([head, *lines])
+
+    def loop(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            try:
+                print(self.report(), flush=True)
+            except Exception as e:  # noqa: BLE001 - progress must never kill the job
+                log.warning("progress report failed: %r", e)

@@ -1,0 +1,183 @@
+"""`ReplicaPool`: one group's sample producers (vLLM replicas, or the replay backend), each in
+its own placement group, each pulling prompts from the job's ledger in a loop (`serve`).
+
+The pool starts them, replaces a dead one in its placement group (its prompts go back to
+pending first), adds one in a new placement group and drains one for the autoscaler, and stops
+them all at the end. A producer that keeps dying is replaced at most
+`inference.max_replica_restarts` times per group; then `supervise` raises with the last error,
+which ends the job with that message instead of recreating it forever. Thread-safe: the
+training loop supervises while the autoscaler thread adds and removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+
+from cluster.placement import Placed, RoleSpec, place
+from cluster.services import StoreServices
+
+log = logging.getLogger("dspark.replicas")
+
+
+class ReplicaFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class ProducerSpec:
+    """How to make one of a group's producers: the actor class (`InferenceActor` or
+    `ReplayActor`) and its settings (the store config is filled in at start, when the node's
+    daemon is known), and how many prompts it asks the ledger for at a time."""
+
+    actor_class: type
+    settings: object
+    prompt_batch: int
+
+
+@dataclass
+class Replica:
+    actor: object
+    serving: object  # the ObjectRef of its `serve` loop: ready when it ends or dies
+    placed: Placed
+    owned: bool  # its placement group was made by the pool (the autoscaler's), not the job's
+
+
+class ReplicaPool:
+    def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
+                 run_name: str, placement_timeout_s: float, max_restarts: int) -> None:
+        import ray
+
+        self.ray, self.group, self.spec, self.ledger, self.services = ray, group, spec, ledger, services
+        self.role, self.run_name, self.placement_timeout_s = role, run_name, placement_timeout_s
+        self.max_restarts = max_restarts
+        self.replicas: dict[str, Replica] = {}
+        self.seq = 0
+        self.restarts = 0
+        self.stopping = False
+        self.events: list[str] = []
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def start(self, placed: Placed, owned: bool = False) -> str:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        with self._lock:
+            rid = f"{self.group}-r{self.seq}"
+            self.seq += 1
+            self.services.ensure_node_stores([placed])
+            settings = replace(self.spec.settings, store=self.services.store_config())
+            bundle = placed.spec.bundles[0]
+            tp = getattr(settings, "tensor_parallel_size", 1)
+            env = {}
+            if bundle.get("GPU"):  # vLLM gives TP ranks to bundles in this order: node by node
+                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
+            actor = self.ray.remote(self.spec.actor_class).options(
+                num_cpus=bundle.get("CPU", 1), num_gpus=0 if tp > 1 else bundle.get("GPU", 0),
+                max_concurrency=2, name=f"{self.run_name}-{rid}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0]),
+                runtime_env={"env_vars": env} if env else None,
+            ).remote(settings, rid, self.group)
+            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned)
+            return rid
+
+    def supervise(self) -> None:
+        """Replace producers whose serve loop died (their prompts go back to pending first)."""
+        with self._lock:
+            for rid, rep in list(self.replicas.items()):
+                done, _ = self.ray.wait([rep.serving], timeout=0)
+                if not done:
+                    continue
+                try:
+                    self.ray.get(rep.serving, timeout=10)
+                    continue  # it finished normally (stopped)
+                except Exception as e:  # noqa: BLE001 - any failure of the replica
+                    error = e
+                returned = self.ray.get(self.ledger.replica_died.remote(rid), timeout=30)
+                del self.replicas[rid]
+                self.ray.kill(rep.actor, no_restart=True)
+                cause = str(error).strip().splitlines()[-1][:500] if str(error).strip() else type(error).__name__
+                self._event(f"replica {rid} died ({cause}); {returned} prompts back to pending", logging.WARNING)
+                if self.stopping:
+                    continue
+                if self.restarts >= self.max_restarts:
+                    raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts + 1} times "
+                                         f"(inference.max_replica_restarts={self.max_restarts}); last: {cause}")
+                self.restarts += 1
+                self.start(rep.placed, rep.owned)
+
+    def add(self) -> str | None:
+        """A new producer in a new placement group; PlacementError if the cluster has no room,
+        None if the pool is stopping (the job is past training)."""
+        from ray.util.placement_group import remove_placement_group
+
+        placed = place(replace(self.role, index=self.seq), self.placement_timeout_s)
+        with self._lock:
+            if self.stopping:
+                remove_placement_group(placed.pg)
+                return None
+            rid = self.start(placed, owned=True)
+        self._event(f"added replica {rid}")
+        return rid
+
+    def remove(self, drain_timeout_s: float = 600.0) -> str | None:
+        """Drain the newest producer: its in-flight batch finishes and is reported, then it goes."""
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            if len(self.replicas) <= 1:
+                return None
+            rid = list(self.replicas)[-1]
+            rep = self.replicas.pop(rid)
+        try:
+            self.ray.get(rep.actor.stop.remote(), timeout=30)
+            self.ray.get(rep.serving, timeout=drain_timeout_s)
+        except Exception:  # noqa: BLE001 - died (or hung) while draining: its prompts go back
+            self.ray.get(self.ledger.replica_died.remote(rid), timeout=30)
+        self.ray.kill(rep.actor, no_restart=True)
+        if rep.owned:
+            remove_placement_group(rep.placed.pg)
+        self._event(f"removed replica {rid}")
+        return rid
+
+    def stop(self, drain_timeout_s: float = 120.0) -> None:
+        """Drain and stop every producer; placement groups the pool made go with them (the
+        job's own are released by the job)."""
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            self.stopping = True
+            reps, self.replicas = list(self.replicas.values()), {}
+        for rep in reps:
+            try:
+                self.ray.get(rep.actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for rep in reps:
+            try:
+                self.ray.get(rep.serving, timeout=drain_timeout_s)
+            except Exception:  # noqa: BLE001
+                pass
+            self.ray.kill(rep.actor, no_restart=True)
+            if rep.owned:
+                remove_placement_group(rep.placed.pg)
+
+    def stats(self) -> list[dict]:
+        """Each live producer's totals (prompts, tokens, busy seconds); a producer that does not
+        answer within 5 s (being replaced) is left out."""
+        with self._lock:
+            actors = [r.actor for r in self.replicas.values()]
+        out = []
+        for actor in actors:
+            try:
+                out.append(self.ray.get(actor.stats.remote(), timeout=5))
+            except Exception:  # noqa: BLE001 - a replica being replaced
+                pass
+        return out
+
+    def _event(self, text: str, level: int = logging.INFO) -> None:
+        self.events.append(text)
+        log.log(level, "[%s] %s", self.group, text)

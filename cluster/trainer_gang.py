@@ -1,0 +1,119 @@
+"""`TrainerGang`: the one data-parallel trainer world of the job, as one object.
+
+Every group's trainer ranks are ranks of this world (one DeepSpeed engine per rank, one ZeRO
+group, one optimizer, gradients all-reduced across groups). The gang fans each call out to all
+ranks and waits with a deadline (`trainer.call_timeout_s`): start (actors in the groups'
+trainer placement groups, ranks numbered group by group), setup (process group, drafter,
+engine, optional resume), fetch and train a step, checkpoint, export, calibrate, and stop.
+A resize is stop + start with new placements + setup from the checkpoint just written.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from cluster.placement import Placed
+from cluster.trainer import TrainerRank, TrainerSettings
+
+log = logging.getLogger("dspark.trainer")
+
+
+class TrainerCallError(RuntimeError):
+    pass
+
+
+class TrainerGang:
+    def __init__(self, settings: TrainerSettings, run_name: str) -> None:
+        import ray
+
+        self.ray, self.settings, self.run_name = ray, settings, run_name
+        self.timeout = settings.trainer.call_timeout_s
+        self.ranks: list = []
+        self.rank_groups: list[str] = []  # group of each rank
+        self.generation = 0  # bumped per (re)start: actor names stay unique
+
+    # ---- fan-out --------------------------------------------------------------------------
+    def _wait(self, refs, what: str, timeout: float | None = None):
+        try:
+            return self.ray.get(refs, timeout=timeout or self.timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise TrainerCallError(f"trainer ranks did not finish {what} within {timeout or self.timeout:.0f}s "
+                                   f"(trainer.call_timeout_s)") from None
+
+    def call(self, method: str, *args, what: str | None = None) -> list:
+        """`method(*args)` on every rank, in rank order."""
+        return self._wait([getattr(r, method).remote(*args) for r in self.ranks], what or method)
+
+    def on_rank0(self, method: str, *args, what: str | None = None):
+        return self._wait(getattr(self.ranks[0], method).remote(*args), what or method)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def layout(self) -> dict[str, int]:
+        """Ranks per group."""
+        out: dict[str, int] = {}
+        for g in self.rank_groups:
+            out[g] = out.get(g, 0) + 1
+        return out
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self, placements: list[Placed]) -> None:
+        """One actor per bundle of the trainer placement groups (in the order given: group by
+        group), then every rank joins the store."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        slots = [(p, b) for p in placements for b in p.order]
+        world = len(slots)
+        self.generation += 1
+        self.rank_groups = [p.spec.group for p, _ in slots]
+        self.ranks = [
+            self.ray.remote(TrainerRank).options(
+                num_cpus=p.spec.bundles[b].get("CPU", 1), num_gpus=p.spec.bundles[b].get("GPU", 0),
+                name=f"{self.run_name}-rank{r}.{self.generation}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(p.pg, placement_group_bundle_index=b),
+            ).remote(r, world, p.spec.group, self.settings)
+            for r, (p, b) in enumerate(slots)
+        ]
+        self.call("connect_store")
+
+    def setup(self, model_init: dict, resume: Path | None, resized: bool) -> int:
+        """Rendezvous at rank 0, build the drafter and engines, load `resume` if given; the step
+        the world starts from."""
+        addr, port = self.on_rank0("rendezvous_address")
+        out = self.call("setup", addr, port, model_init, str(resume / "trainer") if resume else None, resized)
+        log.info("trainer world: %d ranks %s, %d trainable parameters, step %d", self.size, self.layout(),
+                 out[0]["params"], out[0]["step"])
+        return out[0]["step"]
+
+    def stop(self) -> None:
+        for r in self.ranks:
+            self.ray.kill(r, no_restart=True)
+        self.ranks = []
+
+    # ---- a step ---------------------------------------------------------------------------
+    def fetch(self, step: int, lease: list[list[dict]]) -> list[str]:
+        """Every rank reads its share of the step; the uids whose data is gone."""
+        refs = [r.fetch.remote(step, rows) for r, rows in zip(self.ranks, lease)]
+        return sum(self._wait(refs, f"reading step {step}"), [])
+
+    def train_step(self, step: int, lease: list[list[dict]]) -> list[dict]:
+        with_data = sum(1 for rows in lease if rows)
+        scale = self.size / max(with_data, 1)
+        return self._wait([r.train_step.remote(step, scale) for r in self.ranks], f"step {step}")
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, tmp: Path, dest: Path, step: int, ledger_state: dict, meta: dict) -> Path:
+        """Collective save into `tmp`, then rank 0 adds the drafter, ledger and meta and renames
+        it to `dest`."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        rngs = self.call("anchor_rng")
+        self.call("save", str(tmp), step, rngs, what=f"saving the checkpoint of step {step}")
+        self.on_rank0("finalize_checkpoint", str(tmp), str(dest), ledger_state,
+                      {**meta, "time": time.time(), "world_size": self.size, "layout": self.layout()})
+        return dest
+
