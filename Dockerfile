@@ -16,7 +16,10 @@ COPY data ./data
 # The `gpu` extra: the CUDA vLLM already in the image and the CUDA Mooncake wheel.
 RUN DS_BUILD_OPS=0 pip install --no-cache-dir -e ".[gpu]"
 
-ENV RAY_AUTH_MODE=disabled \
+# Token authentication on every node (Ray's processes listen on all interfaces): mount the
+# cluster's token file and point RAY_AUTH_TOKEN_PATH at it (README: Run on a cluster).
+ENV RAY_AUTH_MODE=token \
+    RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token \
     PYTHONUNBUFFERED=1
 ENTRYPOINT []
 CMD ["bash"]

@@ -46,7 +46,6 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray

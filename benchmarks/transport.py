@@ -121,7 +121,6 @@ def main() -> None:
     ap.add_argument("--memcpy", default=os.environ.get("MC_STORE_MEMCPY", "0"))
     args = ap.parse_args()
     os.environ["MC_STORE_MEMCPY"] = args.memcpy
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     from cluster.master import MooncakeMaster

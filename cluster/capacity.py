@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import JobConfig, group_watermarks
+from cluster.config import JobConfig, check_against_target, group_watermarks
 from cluster.placement import node_chunks, role_specs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
@@ -109,6 +109,7 @@ def drafter_size(cfg: JobConfig, tcfg) -> DrafterSize:
 
 def plan(cfg: JobConfig) -> str:
     tc = target_config(cfg)
+    check_against_target(cfg, tc)
     drafter = drafter_size(cfg, tc)
     dc = drafter.config
     states = len(dc.extract_layer_ids)

@@ -9,11 +9,13 @@ format (`drafter/`), the ledger as it is once that step is committed (`ledger.js
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
 
-KEEP = 2  # the newest two: a crash while writing the next one still leaves one intact
+log = logging.getLogger("dspark.checkpoints")
+KEEP = 2  # the newest two: a crash while writing the next one still leaves one intact, so does a corrupt one
 
 
 class CheckpointDir:
@@ -26,8 +28,30 @@ class CheckpointDir:
         return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
     def latest(self) -> Path | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest checkpoint that is whole; a damaged newer one is reported and skipped (the
+        previous one is used), never deleted."""
+        for path in reversed(self.steps()):
+            problem = self.problem(path)
+            if problem is None:
+                return path
+            log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, problem)
+        return None
+
+    @staticmethod
+    def problem(path: Path) -> str | None:
+        """Why `path` cannot be resumed from, or None: every part present and its JSON readable."""
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            json.loads((path / "ledger.json").read_text())
+            json.loads((path / "drafter" / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        for part in ("drafter/model.safetensors", "trainer/latest"):
+            if not (path / part).is_file() or not (path / part).stat().st_size:
+                return f"{part} missing or empty"
+        if not {"step", "world_size", "record_rows"} <= set(meta):
+            return f"meta.json lacks {sorted({'step', 'world_size', 'record_rows'} - set(meta))}"
+        return None
 
     def paths(self, step: int) -> tuple[Path, Path]:
         """(temporary dir to write into, final name)."""
@@ -38,8 +62,11 @@ class CheckpointDir:
         return json.loads((path / "meta.json").read_text())
 
     def rotate(self) -> None:
-        for old in self.steps()[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest KEEP whole checkpoints (and anything newer than the oldest of them)."""
+        whole = [p for p in self.steps() if self.problem(p) is None]
+        if len(whole) > KEEP:
+            for old in [p for p in self.steps() if int(p.name.split("-")[1]) < int(whole[-KEEP].name.split("-")[1])]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def archive(self) -> Path | None:
         """Move an earlier run's checkpoints aside (a fresh start with `trainer.resume=never`),

@@ -8,6 +8,7 @@ topology that cannot work (`check_topology`), naming the missing resource.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,9 @@ class DataConfig:
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
     eval_timeout_s: float = 1800.0  # the held-out evaluation; past it the job fails naming it
+    # Prompts that end FAILED (after their attempts) are listed in result.json; above this
+    # fraction of all prompt x epochs the job exits with an error.
+    max_failed_fraction: float = 0.01
 
 
 @dataclass
@@ -132,6 +136,7 @@ class TransportConfig:
     segment_mb: int = 2048  # store memory per node (or in the master); at least 16 (Mooncake)
     buffer_mb: int = 256
     high_watermark: float = 0.7  # of segment_mb: producers pause above
+    max_service_restarts: int = 5  # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
     low_watermark: float = 0.5  # ... and resume below
 
 
@@ -160,8 +165,20 @@ class TrainerConfig:
     torch_threads: int | None = None  # CPU: threads per rank (None: what Ray gives the actor)
     throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
-    # past it the job stops and names the call instead of waiting on a hung rank.
+    # past it the world counts as failed (a hung rank), like a dead one.
     call_timeout_s: float = 900.0
+    # A failed trainer world (a dead or hung rank) is restarted from the last checkpoint this
+    # many times in a job; then the job stops with the last error.
+    max_restarts: int = 3
+    # Consecutive steps with a non-finite loss (each skipped on every rank) before the job stops:
+    # the model diverged.
+    max_nonfinite_steps: int = 5
+    # No sample stored for this long while some are in generation and none can be leased: the
+    # trainer commits early (the puts may be waiting for room its uncommitted samples hold).
+    stall_commit_s: float = 30.0
+    # Fault injection (tests): rank 0's loss is NaN at these steps, once per listing ([4, 4]:
+    # the first two tries of step 4).
+    fault_nonfinite_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -191,8 +208,16 @@ class InferenceConfig:
     backend: str = "vllm"  # vllm | replay
     replay_dir: str | None = None
     replay_samples_per_s: float = 0.0  # 0: unthrottled
+    # Replay backend only, fault injection for tests: its producers die on these prompt ids every
+    # time (poison prompts) or hang on them once.
+    replay_crash_on: list[str] = field(default_factory=list)
+    replay_hang_on: list[str] = field(default_factory=list)
     prompt_batch: int = 16  # prompts a replica asks for at a time: big enough to batch, small enough to spread
     max_replica_restarts: int = 5  # per group, over the job: then the job stops with the last error
+    restart_backoff_s: float = 1.0  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
+    # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
+    # it is killed and replaced, its prompts go back to pending (an attempt each).
+    generation_timeout_s: float = 1800.0
     first_samples_timeout_s: float = 3600.0  # for the first stored answers (the draft vocabulary waits for them)
 
 
@@ -241,13 +266,35 @@ CHOICES = {
 }
 
 
+def read_yaml(path: str | Path):
+    """The config file as a mapping of sections; ConfigError naming the file (and the line) if
+    it is missing, not YAML, or not a mapping at the top."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path}:{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections (run_name:, target:, ...), "
+                          f"not a {type(data).__name__}")
+    return OmegaConf.create(data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """YAML + `key=value` overrides on top of the typed defaults; errors name the key."""
     key = None
     try:
         merged = OmegaConf.structured(JobConfig)
         if path is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, read_yaml(path))
         for item in overrides or []:
             key, sep, raw = item.partition("=")
             if not sep:
@@ -264,16 +311,77 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+@dataclass(frozen=True)
+class Range:
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False  # lo itself not allowed
+    open_hi: bool = False
+
+    def holds(self, x) -> bool:
+        return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
+                and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
+
+    def __str__(self) -> str:
+        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
+        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
+        return " and ".join(x for x in (lo, hi) if x)
+
+
+POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1), Range(0), Range(0, 1)
+# Numeric settings and what they may be (None, where a key allows it, means "not set").
+RANGES = {
+    "target.num_aux_layers": AT_LEAST_1, "target.tensor_parallel_size": AT_LEAST_1, "target.nodes_per_replica": AT_LEAST_1,
+    "target.max_model_len": Range(2), "target.gpu_memory_utilization": Range(0, 1, open_lo=True),
+    "target.cpu_kvcache_space_gb": AT_LEAST_1, "target.max_num_seqs": AT_LEAST_1,
+    "sampling.temperature": NON_NEGATIVE, "sampling.top_p": Range(0, 1, open_lo=True), "sampling.max_tokens": AT_LEAST_1,
+    "drafter.num_layers": AT_LEAST_1, "drafter.block_size": Range(2), "drafter.markov_rank": NON_NEGATIVE,
+    "drafter.draft_vocab_size": AT_LEAST_1, "drafter.mask_token_id": NON_NEGATIVE, "drafter.num_anchors": AT_LEAST_1,
+    "drafter.ce_weight": NON_NEGATIVE, "drafter.l1_weight": NON_NEGATIVE, "drafter.confidence_weight": NON_NEGATIVE,
+    "drafter.decay": POSITIVE,
+    "data.heldout_fraction": Range(0, 1, open_hi=True), "data.epochs": AT_LEAST_1, "data.max_prompts": AT_LEAST_1,
+    "data.eval_limit": AT_LEAST_1, "data.eval_max_new_tokens": AT_LEAST_1, "data.eval_timeout_s": POSITIVE,
+    "data.max_failed_fraction": FRACTION,
+    "topology.placement_timeout_s": POSITIVE,
+    "transport.master_port": Range(0, 65535), "transport.segment_mb": Range(16),  # Mooncake refuses smaller (-600)
+    "transport.buffer_mb": AT_LEAST_1, "transport.max_service_restarts": NON_NEGATIVE,
+    "trainer.zero_stage": Range(0, 3), "trainer.batch_tokens": AT_LEAST_1, "trainer.lr": POSITIVE,
+    "trainer.weight_decay": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE, "trainer.min_lr_ratio": FRACTION,
+    "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.checkpoint_interval": AT_LEAST_1,
+    "trainer.torch_threads": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
+    "trainer.max_restarts": NON_NEGATIVE, "trainer.max_nonfinite_steps": AT_LEAST_1, "trainer.stall_commit_s": POSITIVE,
+    "logging.progress_interval_s": POSITIVE,
+    "autoscaler.interval_s": POSITIVE, "autoscaler.starving_wait_fraction": FRACTION,
+    "autoscaler.scale_up_delay_s": NON_NEGATIVE, "autoscaler.scale_down_delay_s": NON_NEGATIVE,
+    "autoscaler.cooldown_s": NON_NEGATIVE, "autoscaler.min_gain": NON_NEGATIVE, "autoscaler.placement_timeout_s": POSITIVE,
+    "inference.replay_samples_per_s": NON_NEGATIVE, "inference.prompt_batch": AT_LEAST_1,
+    "inference.max_replica_restarts": NON_NEGATIVE, "inference.generation_timeout_s": POSITIVE,
+    "inference.restart_backoff_s": NON_NEGATIVE,
+    "inference.first_samples_timeout_s": POSITIVE,
+}
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
+
+
 def validate(cfg: JobConfig) -> None:
+    """Everything that can be checked without the target: choices, ranges, names, topology."""
+    node = OmegaConf.structured(cfg)
     for key, allowed in CHOICES.items():
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(node, key)
         if value not in allowed:
             raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
+    for key, allowed_range in RANGES.items():
+        value = OmegaConf.select(node, key)
+        if value is not None and not allowed_range.holds(value):
+            raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range})")
+    if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
+        raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
+                          "(letters, digits, '.', '_', '-'; no '..', no '/')")
+    if cfg.sampling.max_tokens >= cfg.target.max_model_len:
+        raise ConfigError(f"config error at `sampling.max_tokens`: {cfg.sampling.max_tokens} leaves no room for a prompt "
+                          f"within target.max_model_len={cfg.target.max_model_len}")
     t = cfg.transport
     if not 0 < t.low_watermark < t.high_watermark <= 1:
         raise ConfigError("config error at `transport.low_watermark`/`high_watermark`: need 0 < low < high <= 1")
-    if cfg.transport.segment_mb < 16:  # Mooncake refuses smaller segments (setup returns -600)
-        raise ConfigError(f"config error at `transport.segment_mb`: {cfg.transport.segment_mb} is below Mooncake's minimum of 16")
     if not cfg.topology.groups:
         raise ConfigError("config error at `topology.groups`: at least one group is needed")
     names = [g.name for g in cfg.topology.groups]
@@ -302,15 +410,27 @@ def validate(cfg: JobConfig) -> None:
                                   f"(one GPU each) on nodes of {g.gpus_per_node} GPUs")
     if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
         raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
-    if cfg.drafter.block_size < 2:
-        raise ConfigError("config error at `drafter.block_size`: must be >= 2")
-    for key in ("trainer.batch_tokens", "trainer.checkpoint_interval", "data.epochs", "inference.prompt_batch"):
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(f"config error at `{key}`: must be >= 1, got {getattr(getattr(cfg, section), name)}")
-    if cfg.trainer.call_timeout_s <= 0 or cfg.inference.max_replica_restarts < 0:
-        raise ConfigError("config error at `trainer.call_timeout_s`/`inference.max_replica_restarts`: "
-                          "need a positive deadline and a non-negative restart bound")
+
+
+def check_against_target(cfg: JobConfig, target) -> None:
+    """What needs the target's (text) config: aux layer ids within its layers, a draft vocabulary
+    and mask token within its vocabulary, a context the model supports. Run before any actor
+    starts (the job's preparation, `--plan`)."""
+    layers, vocab = target.num_hidden_layers, target.vocab_size
+    bad = [i for i in cfg.target.aux_layer_ids or [] if not 1 <= i <= layers]
+    if bad or len(set(cfg.target.aux_layer_ids or [])) != len(cfg.target.aux_layer_ids or []):
+        raise ConfigError(f"config error at `target.aux_layer_ids`: {cfg.target.aux_layer_ids} must be distinct ids in "
+                          f"[1, {layers}] (speculators indexing; the target has {layers} layers)")
+    if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size > vocab:
+        raise ConfigError(f"config error at `drafter.draft_vocab_size`: {cfg.drafter.draft_vocab_size} is larger than the "
+                          f"target's vocabulary ({vocab})")
+    if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= vocab:
+        raise ConfigError(f"config error at `drafter.mask_token_id`: {cfg.drafter.mask_token_id} is not a token of the "
+                          f"target's vocabulary ({vocab})")
+    longest = getattr(target, "max_position_embeddings", None)
+    if longest and cfg.target.max_model_len > longest:
+        raise ConfigError(f"config error at `target.max_model_len`: {cfg.target.max_model_len} is beyond the target's "
+                          f"max_position_embeddings ({longest})")
 
 
 def group_watermarks(cfg: JobConfig) -> dict[str, tuple[int, int]]:

@@ -20,6 +20,7 @@ building offline datasets.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,9 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         if self.backend not in ("mooncake", "file"):
             raise ValueError(f"unknown hidden-state backend {self.backend!r} (mooncake | file)")
         self.key_prefix = extra.get("key_prefix", "dspark")
-        self.store_config = extra.get("store", {})
+        # The samples' MAC key comes by environment (the inference actor sets it; vLLM copies it
+        # to its Ray workers), never in this config, which vLLM logs.
+        self.store_config = {**extra.get("store", {}), "sample_key": os.environ.get("DSPARK_SAMPLE_KEY", "")}
         self.put_retry_s = float(extra.get("put_retry_s", 600.0))
         self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
         self.layer_ids = list(getattr(
@@ -117,6 +120,8 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
             PARAMS_KEY: {
                 "key": key, "num_tokens": int(token_ids.numel()), "layer_ids": self.layer_ids,
                 "hidden_size": self._vllm_config.model_config.get_hidden_size(), "prompt_len": prompt_len,
+                # what the reader expects; the stored header says what was written (they must agree)
+                "dtype": str(self._vllm_config.model_config.dtype).removeprefix("torch."),
                 "backend": self.backend,
                 "path": str(self._file_path(key)) if self.backend == "file" else None,
             }

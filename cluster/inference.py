@@ -21,6 +21,7 @@ from cluster.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 
 CONNECTOR = "MooncakeHiddenStatesConnector"
+SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
 CONNECTOR_MODULE = "cluster.hidden_states_connector"
 
 
@@ -80,8 +81,10 @@ def engine_kwargs(s: InferenceSettings) -> dict:
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {
-                # vLLM carries this as JSON to the connector (possibly in another process)
-                "backend": s.backend, "key_prefix": s.key_prefix, "store": asdict(s.store), "shared_storage_path": s.file_dir,
+                # vLLM carries this as JSON to the connector (possibly in another process) and logs
+                # it: the samples' key goes by environment instead (SAMPLE_KEY_ENV)
+                "backend": s.backend, "key_prefix": s.key_prefix, "store": asdict(replace(s.store, sample_key="")),
+                "shared_storage_path": s.file_dir,
             },
         }
     return kwargs
@@ -95,6 +98,11 @@ class InferenceActor(Producer):
         self.settings = s = settings
         # The connector may run in an engine process outside Ray: name this node's daemon for it.
         s.store = replace(s.store, node_client=s.store.resolve_node_client())
+        # ... and hand it the samples' key in the environment, which vLLM copies to its Ray
+        # workers when told to (it would print a key passed in its config).
+        os.environ[SAMPLE_KEY_ENV] = s.store.sample_key
+        extra = [v for v in os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "").split(",") if v]
+        os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(sorted({*extra, SAMPLE_KEY_ENV}))
         if s.device == "cpu":
             # One engine process per actor: the actor *is* the replica, and the store client
             # of the connector lives here too.
@@ -150,7 +158,8 @@ class InferenceActor(Producer):
                 if p is None:
                     produced.error = "engine returned no hidden-state reference"
                 else:
-                    produced.ref = asdict(SampleRef(p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"]))
+                    produced.ref = asdict(SampleRef(p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"],
+                                                    p.get("dtype", "bfloat16")))
                     produced.ref["path"] = p.get("path")
             results[pid] = produced
         if s.extract:

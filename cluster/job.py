@@ -25,12 +25,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cluster.checkpoints import CheckpointDir
-from cluster.config import LOCAL_TARGET, ROOT, JobConfig, group_watermarks, to_yaml
+from cluster.config import LOCAL_TARGET, ROOT, JobConfig, check_against_target, group_watermarks, to_yaml
 from cluster.control import ControlChannel, ResizeTrainer
 from cluster.ledger import SampleLedger
 from cluster.metrics import Metrics
 from cluster.progress import ProgressReporter, TrainingStats
 from cluster.record import TrainingRecord
+from cluster.trainer_gang import TrainerFailure
 
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
@@ -65,7 +66,14 @@ def load_prompts(cfg: JobConfig):
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
+    if not train:
+        raise ValueError(f"no training prompts in data.prompts={list(cfg.data.prompts)} "
+                         f"({len(convs)} read, {len(held)} held out): nothing to train on")
     return train, held
+
+
+class JobFailed(RuntimeError):
+    pass
 
 
 class TrainingJob:
@@ -91,6 +99,9 @@ class TrainingJob:
         self.events: list[str] = []
         self.ended_by = "data"  # data | max_steps | stop
         self.trainer_generation = 0  # bumped per trainer placement after a resize: new placement group names
+        self.trainer_restarts = 0
+        self.nonfinite_streak = 0
+        self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
         self.wandb = None
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -102,8 +113,13 @@ class TrainingJob:
         self.target_path = resolve_target(self.cfg)
         tcfg = AutoConfig.from_pretrained(self.target_path)
         tcfg = getattr(tcfg, "text_config", None) or tcfg
+        check_against_target(self.cfg, tcfg)
         self.aux_layer_ids = list(self.cfg.target.aux_layer_ids or default_aux_layer_ids(tcfg.num_hidden_layers, self.cfg.target.num_aux_layers))
         self.layer_ids = [*self.aux_layer_ids, tcfg.num_hidden_layers]
+        # The largest sample the target can produce: what the ledger assumes until it has measured
+        # some (a first request that cannot overfill the store).
+        self.max_sample_bytes = self.cfg.target.max_model_len * (
+            len(self.layer_ids) * tcfg.hidden_size * (4 if self.cfg.target.dtype == "float32" else 2) + 5)
         self.train_prompts, self.heldout = load_prompts(self.cfg)
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
@@ -135,7 +151,8 @@ class TrainingJob:
         reuse = cfg.data.reuse_samples_across_epochs
         self.ledger = self.ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
             prompts, epochs=cfg.data.epochs, key_prefix=cfg.run_name, watermarks=group_watermarks(cfg),
-            reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0, shuffle_seed=cfg.trainer.seed)
+            reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0, shuffle_seed=cfg.trainer.seed,
+            sample_bytes_estimate=self.max_sample_bytes)
         self.master_generation = self.services.master_info()["generation"]
         self.trainer_pgs = [p for p in self.placed if p.spec.role == "trainer"]
         self.gang = TrainerGang(self.trainer_settings(), cfg.run_name)
@@ -143,7 +160,8 @@ class TrainingJob:
         self.resume_from = self.restore_data_state()  # before any producer asks the ledger for prompts
         for gi, g in enumerate(cfg.topology.groups):
             pool = ReplicaPool(g.name, self.producer_spec(gi), self.ledger, self.services, replica_spec(cfg, gi),
-                               cfg.run_name, cfg.autoscaler.placement_timeout_s, cfg.inference.max_replica_restarts)
+                               cfg.run_name, cfg.autoscaler.placement_timeout_s, cfg.inference.max_replica_restarts,
+                               cfg.inference.generation_timeout_s, cfg.inference.restart_backoff_s)
             for p in self.placed:
                 if p.spec.group == g.name and p.spec.role == "inference":
                     pool.start(p)
@@ -166,8 +184,11 @@ class TrainingJob:
 
         c, t, g = self.cfg, self.cfg.target, self.cfg.topology.groups[group_index]
         if c.inference.backend == "replay":
-            rate = g.replay_samples_per_s if g.replay_samples_per_s is not None else c.inference.replay_samples_per_s
-            return ProducerSpec(ReplayActor, ReplaySettings(c.inference.replay_dir, StoreConfig(), rate), c.inference.prompt_batch)
+            i = c.inference
+            rate = g.replay_samples_per_s if g.replay_samples_per_s is not None else i.replay_samples_per_s
+            settings = ReplaySettings(i.replay_dir, StoreConfig(), rate, crash_on=list(i.replay_crash_on),
+                                      hang_on=list(i.replay_hang_on), fault_dir=str(self.run_dir))
+            return ProducerSpec(ReplayActor, settings, i.prompt_batch)
         return ProducerSpec(InferenceActor, InferenceSettings(
             target_path=self.target_path, layer_ids=self.layer_ids, key_prefix=f"{c.run_name}/{g.name}",
             store=StoreConfig(), device=c.device, dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
@@ -185,42 +206,110 @@ class TrainingJob:
 
     # ---- the training loop -------------------------------------------------------------------
     def train(self) -> None:
-        """One global step per iteration, until the data is trained (or max_steps, or a stop)."""
+        """One global step per iteration, until the data is trained (or max_steps, or a stop).
+        A failed trainer world is restarted from the last checkpoint (bounded)."""
         t, s = self.cfg.trainer, self.stats
         s.step = self.begin()
         while True:
-            self.supervise()
-            if self.handle_requests():
-                break
-            if t.max_steps and s.step >= t.max_steps:
-                self.ended_by = "max_steps"
-                break
-            t0 = time.perf_counter()
-            lease = self.ledger_call("lease_step", s.step + 1, self.gang.rank_groups, t.batch_tokens)
-            if lease is None:
-                if self.ledger_call("drained"):
+            try:
+                self.supervise()
+                if self.handle_requests():
                     break
-                self.wait_for_data()
-                s.data_wait_s += time.perf_counter() - t0
-                continue
-            missing = self.gang.fetch(s.step + 1, lease)
-            if missing:  # gone from the store (a daemon or the master died): regenerate them
-                self.ledger_call("release_lease", s.step + 1, missing)
-                self.events.append(f"step {s.step + 1}: {len(missing)} samples gone from the store, regenerating")
-                continue
+                if t.max_steps and s.step >= t.max_steps:
+                    self.ended_by = "max_steps"
+                    break
+                if self.global_step() == "drained":
+                    break
+            except TrainerFailure as e:
+                self.restart_trainer(e)
+
+    def global_step(self) -> str:
+        """Assemble, read and train step `step + 1`: "stepped", "waited" (no data, or data that
+        cannot be trained: given back), "skipped" (a non-finite loss) or "drained"."""
+        t, s = self.cfg.trainer, self.stats
+        t0 = time.perf_counter()
+        lease = self.ledger_call("lease_step", s.step + 1, self.gang.rank_groups, t.batch_tokens)
+        if lease is None:
+            if self.ledger_call("drained"):
+                return "drained"
+            self.wait_for_data()
             s.data_wait_s += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            per_rank = self.gang.train_step(s.step + 1, lease)
-            s.train_s += time.perf_counter() - t1
-            s.step, s.last = s.step + 1, next((m for m in per_rank if "loss" in m), per_rank[0])
-            for m, group in zip(per_rank, self.gang.rank_groups):
-                self.record.add(s.step, m["rank"], group, m.pop("trained"))
-            rows = [row for rank_rows in lease for row in rank_rows]
-            self.uncommitted = self.release_before(s.step, rows) if t.release_samples == "after_step" else self.uncommitted + rows
-            self.reporter.on_step(s.step, per_rank)
-            # The last step's samples stay uncommitted (and in the store) for the final calibration.
-            if s.step % t.checkpoint_interval == 0 and not self.ledger_call("drained"):
-                self.checkpoint()
+            return "waited"
+        bad = self.gang.fetch(s.step + 1, lease)
+        if bad:  # gone from the store (a daemon or the master died) or unusable: regenerate them
+            self.ledger_call("release_lease", s.step + 1, bad)
+            self.events.append(f"step {s.step + 1}: {len(bad)} samples could not be read, e.g. "
+                               f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating")
+            return "waited"
+        s.data_wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        per_rank = self.gang.train_step(s.step + 1, lease)
+        s.train_s += time.perf_counter() - t1
+        if per_rank[0]["skipped"]:
+            self.nonfinite_step(s.step + 1, per_rank)
+            return "skipped"
+        self.nonfinite_streak = 0
+        s.step, s.last = s.step + 1, next((m for m in per_rank if "loss" in m), per_rank[0])
+        for m, group in zip(per_rank, self.gang.rank_groups):
+            self.record.add(s.step, m["rank"], group, m.pop("trained"))
+        rows = [row for rank_rows in lease for row in rank_rows]
+        self.uncommitted = self.release_before(s.step, rows) if t.release_samples == "after_step" else self.uncommitted + rows
+        self.reporter.on_step(s.step, per_rank)
+        # The last step's samples stay uncommitted (and in the store) for the final calibration.
+        if s.step % t.checkpoint_interval == 0 and not self.ledger_call("drained"):
+            self.checkpoint()
+        return "stepped"
+
+    def nonfinite_step(self, step: int, per_rank: list[dict]) -> None:
+        """No rank updated: every sample of the step is leased again (those of the ranks whose
+        loss was not finite are FAILED after max attempts of that)."""
+        ranks = [m["rank"] for m in per_rank if m["nonfinite"]]
+        bad = {uid: f"non-finite loss on rank {m['rank']}" for m in per_rank if m["nonfinite"] for uid in m["batch"]}
+        self.ledger_call("release_lease", step, bad, "non-finite loss", False)
+        self.nonfinite_streak += 1
+        self.stats.skipped_steps += 1
+        self.events.append(f"step {step}: non-finite loss on ranks {ranks}; update skipped on every rank")
+        log.warning("%s", self.events[-1])
+        if self.nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
+            raise RuntimeError(f"{self.nonfinite_streak} consecutive steps had a non-finite loss (the last at step {step}, "
+                               f"ranks {ranks}): the drafter diverged; lower trainer.lr or check the data "
+                               f"(trainer.max_nonfinite_steps={self.cfg.trainer.max_nonfinite_steps})")
+
+    def restart_trainer(self, cause: Exception) -> None:
+        """The world failed (a rank died, hung or raised): a new world from the last checkpoint.
+        The ledger gives back what was leased after it (re-read, or regenerated if released),
+        the training record drops the rows it did not commit. A restart that fails itself counts
+        as the next one."""
+        from cluster.placement import place_all, release, trainer_specs
+
+        layout = self.gang.layout()
+        while True:
+            if self.trainer_restarts >= self.cfg.trainer.max_restarts:
+                raise RuntimeError(f"the trainer world failed {self.trainer_restarts + 1} times "
+                                   f"(trainer.max_restarts={self.cfg.trainer.max_restarts}); last: {cause}")
+            self.trainer_restarts += 1
+            self.gang.stop()
+            release(self.trainer_pgs)
+            self.trainer_pgs = []
+            try:
+                self.services.check(force=True)  # a dead store daemon (what may have killed the ranks) first
+                self.trainer_generation += 1
+                self.trainer_pgs = place_all(self.cfg, trainer_specs(self.cfg, layout, self.trainer_generation))
+                self.services.ensure_node_stores(self.trainer_pgs)
+                self.gang.settings = replace(self.gang.settings, store=self.services.store_config())
+                self.gang.start(self.trainer_pgs)
+                ckpt = self.checkpoints.latest()
+                returned = self.ledger_call("trainer_restarted", self.checkpoints.meta(ckpt)["step"] if ckpt else 0)
+                self.record.rollback_to(self.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
+                self.uncommitted = []
+                self.events.append(f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
+                                   f"({returned} leased samples given back): {cause}")
+                log.warning("%s", self.events[-1])
+                self.resume_from = ckpt
+                self.stats.step = self.begin()
+                return
+            except TrainerFailure as e:
+                cause = e
 
     def release_before(self, step: int, rows: list[dict]) -> list[dict]:
         """`trainer.release_samples=after_step`: the previous step's samples leave the store; the
@@ -235,7 +324,7 @@ class TrainingJob:
 
     def supervise(self) -> None:
         """Replace dead replicas (bounded); after a master restart the stored samples are gone."""
-        gen = self.services.master_info()["generation"]
+        gen = self.services.check()
         if gen > self.master_generation:
             self.master_generation = gen
             lost = self.ledger_call("master_restarted", gen)
@@ -247,12 +336,21 @@ class TrainingJob:
 
     def wait_for_data(self) -> None:
         """No rank got anything for the next step. If trained-but-uncommitted samples fill the
-        store (it holds fewer than checkpoint_interval steps), only a commit makes room."""
+        store (it holds fewer than checkpoint_interval steps), only a commit makes room: commit
+        when a group's producers are held back (its watermark), or when nothing has been stored
+        for `trainer.stall_commit_s` while samples are in generation (their puts may be waiting
+        for room that only a commit frees: Mooncake evicts nothing)."""
         counts = self.ledger_call("counts")
-        if self.uncommitted and counts["paused"]:
-            self.events.append(f"step {self.stats.step}: store full of uncommitted samples, checkpointing early")
+        produced = counts.get("produced_samples", 0)
+        if produced != self.produced_seen:
+            self.produced_seen, self.produced_at = produced, time.monotonic()
+        stalled = counts["generating"] and time.monotonic() - self.produced_at > self.cfg.trainer.stall_commit_s
+        if self.uncommitted and (counts["paused"] or stalled):
+            why = "store full of uncommitted samples" if counts["paused"] else "nothing stored for a while"
+            self.events.append(f"step {self.stats.step}: {why}, checkpointing early")
             log.info("%s", self.events[-1])
             self.checkpoint()
+            self.produced_at = time.monotonic()
         else:
             time.sleep(0.2)
 
@@ -311,6 +409,11 @@ class TrainingJob:
             # A full store (producers paused) or nothing left to generate: take what there is.
             if len(rows) >= want or (rows and (counts["paused"] or counts["to_generate"] == 0)):
                 break
+            if not rows and counts["to_generate"] == 0 and not counts["generating"]:
+                failed = self.ledger_call("outcome")["failed"]
+                example = next(iter(failed.items()), ("-", ["?"]))
+                raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
+                                   f"{example[1][-1] if example[1] else '?'}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(rows)} of the first {want} answers stored after "
                                    f"{self.cfg.inference.first_samples_timeout_s:.0f}s (inference.first_samples_timeout_s); "
@@ -322,8 +425,11 @@ class TrainingJob:
 
     def checkpoint(self) -> Path:
         """Collective save; the record and the ledger commit with it; committed samples leave
-        the store; older checkpoints rotate away (the last two stay)."""
+        the store; older checkpoints rotate away (the last two stay). A model with a non-finite
+        weight is never saved: the world restarts from the last good checkpoint instead."""
         step = self.stats.step
+        if not all(self.gang.call("parameters_finite")):
+            raise TrainerFailure(f"non-finite weights at step {step}: not saved")
         tmp, dest = self.checkpoints.paths(step)
         state = self.ledger_call("checkpoint_state", step)
         rows = self.record.commit(step)  # before the rename: a crash in between rolls these rows back
@@ -405,6 +511,12 @@ class TrainingJob:
                               "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),
                               "events": pool.events} for name, pool in self.pools.items()},
         }
+        failed = proof["failed"]
+        results["failed_fraction"] = len(failed) / max(counts["total"], 1)
+        if failed:
+            errors = outcome["failed"][failed[0]]
+            results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
+            log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
         results["evaluation"] = self.evaluate(str(final))
         results["tau"] = results["evaluation"]["tau"]
         # Final values once more, fresh for whoever looks after the job: Ray drops series that
@@ -413,6 +525,12 @@ class TrainingJob:
         self.reporter.publish_train(self.stats.last)
         self.metrics.gauge("heldout_tau", results["tau"])
         (self.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
+        if results["failed_fraction"] > self.cfg.data.max_failed_fraction:
+            u = failed[0]
+            raise JobFailed(f"{len(failed)} of {counts['total']} prompt x epochs failed ({results['failed_fraction']:.1%} > "
+                            f"data.max_failed_fraction={self.cfg.data.max_failed_fraction}), e.g. {u}: "
+                            f"{outcome['failed'][u][-1] if outcome['failed'][u] else '?'}; the drafter and result.json "
+                            f"are written ({self.run_dir})")
         return results
 
     def evaluate(self, drafter: str) -> dict:

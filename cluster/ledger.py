@@ -57,7 +57,6 @@ import random
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 
 PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
 STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
@@ -78,6 +77,7 @@ class Entry:
     rank: int | None = None
     crossed: bool = False  # leased to a rank of another group
     released: bool = False  # trained, not yet committed, and its bytes already gone from the store
+    suspect: bool = False  # was being generated when its replica died: retried alone
     since: float = 0.0  # when the current state began
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
@@ -114,9 +114,12 @@ class SampleLedger:
         clock=time.monotonic,
         reuse_across_epochs: bool = False,
         shuffle_seed: int = 0,
+        sample_bytes_estimate: int = 0,
     ) -> None:
         """`watermarks`: group → (high, low) bytes of stored-but-untrained samples; groups not
-        listed never pause."""
+        listed never pause. `sample_bytes_estimate`: a sample's size until the group has stored
+        some (an upper bound keeps the first request small); 0: prompts in generation are not
+        counted against the watermark."""
         ids = [p["id"] for p in prompts]
         if len(set(ids)) != len(ids):
             dup = [k for k, n in Counter(ids).items() if n > 1][:5]
@@ -150,6 +153,7 @@ class SampleLedger:
                 self._per_epoch[(PENDING, e)] += 1
         self.watermarks = dict(watermarks or {})
         self.max_attempts = max_attempts
+        self.sample_bytes_estimate = sample_bytes_estimate
         self.clock = clock
         self.paused: dict[str, bool] = {}
         self.master_generation = 0
@@ -236,16 +240,48 @@ class SampleLedger:
 
     # ---- producers ---------------------------------------------------------------------
     def request_prompts(self, replica: str, max_n: int, group: str = "g0") -> list[dict]:
-        """Up to `max_n` prompts for a replica of `group`; [] while that group is paused."""
+        """Up to `max_n` prompts for a replica of `group`; [] while that group is paused. The
+        samples in generation count against the group's high watermark at their expected size,
+        so that a batch cannot overfill the store: a producer reports its batch at the end, and
+        until then nobody could free the room its puts wait for."""
         self._update_pause()
         if self.paused.get(group):
             return []
+        max_n = min(max_n, self._room_for(group))
+        chosen: list[Entry] = []
+        for e in self._generation_candidates():
+            if len(chosen) >= max_n:
+                break
+            if e.suspect:  # alone, so that a prompt that kills replicas takes no other prompt with it
+                if not chosen:
+                    chosen = [e]
+                    break
+                continue
+            chosen.append(e)
         out = []
-        for e in list(islice(self._generation_candidates(), max_n)):  # (materialised: _set edits the pools)
+        for e in chosen:  # (after the scan: _set edits the pools)
             e.attempts += 1
             self._set(e, GENERATING, replica=replica, group=group)
             out.append({"id": e.prompt_id, "uid": e.uid, "key": self.key_for(e, group), "messages": self.messages[e.prompt_id]})
         return out
+
+    def full(self, group: str) -> bool:
+        """The group's producers get no prompts: paused at the high watermark, or no room left
+        under it beside the samples in generation. Then only training (and, for what is trained,
+        a commit) makes room: the trainer may lease later epochs and checkpoints early."""
+        return bool(self.paused.get(group)) or (self._room_for(group) == 0 and self.queued_bytes(group) > 0)
+
+    def _room_for(self, group: str) -> int:
+        """How many more samples of `group` fit under its high watermark, counting those in
+        generation at the group's mean sample size so far (or the estimate); at least one when
+        the group holds nothing, so that it always makes progress."""
+        t = self.group_totals.get(group, {})
+        size = t["produced_bytes"] / t["produced_samples"] if t.get("produced_samples") else self.sample_bytes_estimate
+        if not size:
+            return 1 << 30
+        generating = sum(e.group == group for e in self._in(GENERATING))
+        free = self.watermarks.get(group, UNBOUNDED)[0] - self.queued_bytes(group) - generating * size
+        return max(int(free // size), 0 if generating or self.queued_bytes(group) else 1)
 
     def _generation_candidates(self):
         """Pending entries to generate next: the current epoch's; with reuse, epoch 0's and the
@@ -269,25 +305,44 @@ class SampleLedger:
                 self.events.append({"event": "stale_report", "uid": r["uid"], "replica": replica})
                 continue
             if r.get("error") or not r.get("ref"):
-                e.errors.append(str(r.get("error")))
-                if e.attempts >= self.max_attempts:
-                    self._set(e, FAILED, replica=None)
-                    self.events.append({"event": "failed", "uid": e.uid, "errors": e.errors})
-                else:
-                    self._set(e, PENDING, replica=None, group=None)
+                self._retry_or_fail(e, str(r.get("error")))
                 continue
-            self._set(e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None)
+            self._set(e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None, suspect=False)
             for totals in (self.totals, self.group_totals[e.group]):
                 totals["produced_samples"] += 1
                 totals["produced_tokens"] += int(r["tokens"])
+                totals["produced_bytes"] += int(r["nbytes"])
         self._update_pause()
 
-    def replica_died(self, replica: str) -> int:
+    def _retry_or_fail(self, e: Entry, error: str) -> None:
+        """Back to pending for another attempt, or FAILED (final, with every error) once it has
+        had `max_attempts`: a prompt that fails, kills its replica, or whose sample cannot be
+        read every time is given up on by name instead of being retried forever."""
+        e.errors.append(error)
+        if e.attempts >= self.max_attempts:
+            self._set(e, FAILED, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
+            self.events.append({"event": "failed", "uid": e.uid, "errors": e.errors})
+        else:
+            self._set(e, PENDING, replica=None, group=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
+
+    def replica_died(self, replica: str, cause: str = "") -> int:
+        """Its prompts go back to pending; each death counts as an attempt of every prompt it
+        was generating, and they are retried one per request: a prompt that kills every replica
+        that takes it ends FAILED alone, the others of its batch go through."""
         lost = [e for e in self._in(GENERATING) if e.replica == replica]
         for e in lost:
-            self._set(e, PENDING, replica=None, group=None)
+            e.suspect = True
+            self._retry_or_fail(e, f"replica {replica} died while generating it" + (f": {cause}" if cause else ""))
         self.events.append({"event": "replica_died", "replica": replica, "returned": len(lost)})
         return len(lost)
+
+    def hung_replicas(self, timeout_s: float) -> dict[str, float]:
+        """Replicas with a prompt generating for longer than `timeout_s`: replica -> seconds."""
+        now, out = self.clock(), {}
+        for e in self._in(GENERATING):
+            if now - e.since > timeout_s:
+                out[e.replica] = max(out.get(e.replica, 0.0), now - e.since)
+        return out
 
     # ---- trainer -----------------------------------------------------------------------
     def peek_stored(self, n: int) -> list[dict]:
@@ -316,7 +371,7 @@ class SampleLedger:
         floor = self.lease_epoch()
         ready: dict[str, list[Entry]] = defaultdict(list)  # per group, epoch-major
         for e in self._in(STORED):
-            if e.epoch <= floor or self.paused.get(e.group):
+            if e.epoch <= floor or self.full(e.group):
                 ready[e.group].append(e)
         queued = {g: sum(e.nbytes for e in q) for g, q in ready.items()}  # each group's ready queue, bytes
         loads = [0] * len(rank_groups)
@@ -423,17 +478,28 @@ class SampleLedger:
         self.events.append({"event": "trainer_restarted", "committed_step": committed_step, "re_leased": len(back)})
         return len(back)
 
-    def release_lease(self, step: int, missing: list[str]) -> None:
-        """The trainer could not read step `step`'s data: the `missing` samples are gone from the
-        store (back to pending, to be regenerated), the rest go back to stored."""
-        gone = set(missing)
+    def release_lease(self, step: int, missing: list[str] | dict[str, str], reason: str = "gone from the store",
+                      regenerate: bool = True) -> None:
+        """Step `step` cannot train: the `missing` samples (a list, or uid -> why) are gone or
+        unusable and go back to pending to be regenerated (an attempt each: FAILED after
+        `max_attempts`); with `regenerate=False` (their data is fine, the step was not: a
+        non-finite loss) they are leased again as they are, FAILED after `max_attempts` such
+        steps. The rest go back to stored, to be leased again."""
+        why = missing if isinstance(missing, dict) else dict.fromkeys(missing, reason)
         for e in self._in(LEASED):
-            if e.step == step:
-                if e.uid in gone:
-                    self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, group=None, crossed=False)
-                else:
-                    self._set(e, STORED, step=None, rank=None, crossed=False)
-        self.events.append({"event": "lease_released", "step": step, "missing": len(gone)})
+            if e.step != step:
+                continue
+            if e.uid in why and regenerate:
+                self._retry_or_fail(e, f"step {step}: {why[e.uid]}")
+                continue
+            if e.uid in why:
+                e.errors.append(f"step {step}: {why[e.uid]}")
+                if sum(err.startswith("step ") and "non-finite" in err for err in e.errors) >= self.max_attempts:
+                    self._set(e, FAILED, step=None, rank=None, crossed=False)
+                    self.events.append({"event": "failed", "uid": e.uid, "errors": e.errors})
+                    continue
+            self._set(e, STORED, step=None, rank=None, crossed=False)
+        self.events.append({"event": "lease_released", "step": step, "missing": len(why)})
         self._update_pause()
 
     def master_restarted(self, generation: int) -> int:
@@ -464,14 +530,14 @@ class SampleLedger:
                 "stored": sum(e.group == g for e in self._in(STORED)),
                 "leased": sum(e.group == g for e in self._in(LEASED)),
                 "queued_bytes": self.queued_bytes(g),
-                "paused": bool(self.paused.get(g)),
+                "paused": self.full(g),
                 **dict(self.group_totals.get(g, {})),
             }
         return {
             **{s: len(self._members[s]) for s in STATES},
             "total": len(self.entries),
             "queued_bytes": self.queued_bytes(),
-            "paused": any(self.paused.values()),
+            "paused": any(self.full(g) for g in self.groups()),
             "oldest_lease_s": max(leases) if leases else 0.0,
             "epoch": self.current_epoch(),
             "to_generate": self.to_generate(),

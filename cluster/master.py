@@ -33,8 +33,13 @@ class MooncakeMaster(SupervisedProcess):
         self.launch()
 
     def command(self) -> list[str]:
+        # No eviction: by default the master drops objects (unread samples among them) once its
+        # memory is 90% used, and an evicted sample is silently gone until a reader misses it.
+        # With eviction off a full store refuses puts (-200), which producers treat as
+        # backpressure, and the ledger's watermarks keep it from filling in the first place.
         return [mooncake_binary("mooncake_master"), f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}", *self.extra_args]
+                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
+                "--eviction_ratio=0", "--eviction_high_watermark_ratio=1.0", *self.extra_args]
 
     def info(self) -> dict:
         return {**super().info(), "metrics": f"http://{self.host}:{self.metrics_port}/metrics"}

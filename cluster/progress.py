@@ -29,6 +29,7 @@ class TrainingStats:
     last: dict = field(default_factory=dict)  # rank 0's metrics of the last step
     ranks: int = 0
     layout: dict = field(default_factory=dict)  # trainer ranks per group
+    skipped_steps: int = 0  # steps whose update was skipped (a non-finite loss)
     resize_seq_handled: int = 0  # the last resize request the loop has acted on (applied or refused)
 
 
@@ -98,7 +99,9 @@ class ProgressReporter:
                 f"{' (paused)' if g.get('paused') else ''} | trained {g.get('trained_samples', 0)}, "
                 f"{g.get('crossed_samples', 0)} of them by another group's ranks")
         left = eta(s, c, gen_total)
-        head = (f"[progress] step {s.step} ({s.ranks} ranks) | trained {c['trained']}+{c['leased']} leased / {c['total']} "
+        failed = f", {c['failed']} failed" if c["failed"] else ""
+        skipped = f", {s.skipped_steps} skipped (non-finite)" if s.skipped_steps else ""
+        head = (f"[progress] step {s.step} ({s.ranks} ranks{skipped}) | trained {c['trained']}+{c['leased']} leased{failed} / {c['total']} "
                 f"| loss {m.get('loss', math.nan):.3f} tau~{m.get('expected_tau', math.nan):.2f} "
                 f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min")
         return "\n".join([head, *lines])

@@ -9,6 +9,7 @@ running the target model.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,11 @@ class ReplaySettings:
     store: StoreConfig = field(default_factory=StoreConfig)
     samples_per_s: float = 0.0  # 0: as fast as the store takes them
     put_retry_s: float = 300.0
+    # Fault injection (tests): asked for one of these prompt ids, the producer's process exits
+    # (every time: a poison prompt), or hangs (once: a marker in `fault_dir` remembers it).
+    crash_on: list[str] = field(default_factory=list)
+    hang_on: list[str] = field(default_factory=list)
+    fault_dir: str | None = None
 
 
 class ReplayActor(Producer):
@@ -38,6 +44,16 @@ class ReplayActor(Producer):
         self.store = HiddenStateStore(self.s.store).connect()
         self.totals["full_waits"] = 0
 
+    def _inject_fault(self, prompt_id: str) -> None:
+        if prompt_id in self.s.crash_on:
+            os._exit(3)
+        if prompt_id in self.s.hang_on:
+            marker = Path(self.s.fault_dir or "/tmp") / f"hung-{prompt_id}"
+            if not marker.exists():
+                marker.touch()
+                while True:
+                    time.sleep(3600)
+
     def reconnect_store(self) -> None:
         self.store.reconnect()
 
@@ -52,6 +68,7 @@ class ReplayActor(Producer):
     def produce(self, prompts: list[dict]) -> list[dict]:
         reports = []
         for p in prompts:
+            self._inject_fault(p["id"])
             t0 = time.perf_counter()  # per sample: the rates read mid-batch stay true
             sample = self._sample_for(p["id"])
             try:

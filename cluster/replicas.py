@@ -5,14 +5,17 @@ The pool starts them, replaces a dead one in its placement group (its prompts go
 pending first), adds one in a new placement group and drains one for the autoscaler, and stops
 them all at the end. A producer that keeps dying is replaced at most
 `inference.max_replica_restarts` times per group; then `supervise` raises with the last error,
-which ends the job with that message instead of recreating it forever. Thread-safe: the
-training loop supervises while the autoscaler thread adds and removes.
+which ends the job with that message instead of recreating it forever. A replica that stays
+alive but holds a prompt in generation for longer than `inference.generation_timeout_s` is
+taken for hung: it is killed and goes the same way. Thread-safe: the training loop supervises
+while the autoscaler thread adds and removes.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from cluster.placement import Placed, RoleSpec, place
@@ -46,12 +49,16 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
-                 run_name: str, placement_timeout_s: float, max_restarts: int) -> None:
+                 run_name: str, placement_timeout_s: float, max_restarts: int, generation_timeout_s: float = 1800.0,
+                 backoff_s: float = 1.0) -> None:
         import ray
 
         self.ray, self.group, self.spec, self.ledger, self.services = ray, group, spec, ledger, services
         self.role, self.run_name, self.placement_timeout_s = role, run_name, placement_timeout_s
-        self.max_restarts = max_restarts
+        self.max_restarts, self.generation_timeout_s, self.backoff_s = max_restarts, generation_timeout_s, backoff_s
+        self.hung: dict[str, str] = {}  # replica -> why it was killed
+        self.waiting: list[tuple[float, Placed, bool]] = []  # replacements due at a time (backoff)
+        self._hung_checked = 0.0
         self.replicas: dict[str, Replica] = {}
         self.seq = 0
         self.restarts = 0
@@ -60,7 +67,7 @@ class ReplicaPool:
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self.replicas)
+        return len(self.replicas) + len(self.waiting)
 
     def start(self, placed: Placed, owned: bool = False) -> str:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -85,7 +92,9 @@ class ReplicaPool:
             return rid
 
     def supervise(self) -> None:
-        """Replace producers whose serve loop died (their prompts go back to pending first)."""
+        """Kill hung producers; replace those whose serve loop died (their prompts go back to
+        pending first)."""
+        self._kill_hung()
         with self._lock:
             for rid, rep in list(self.replicas.items()):
                 done, _ = self.ray.wait([rep.serving], timeout=0)
@@ -96,10 +105,11 @@ class ReplicaPool:
                     continue  # it finished normally (stopped)
                 except Exception as e:  # noqa: BLE001 - any failure of the replica
                     error = e
-                returned = self.ray.get(self.ledger.replica_died.remote(rid), timeout=30)
+                cause = self.hung.pop(rid, None) or (str(error).strip().splitlines()[-1][:500] if str(error).strip()
+                                                     else type(error).__name__)
+                returned = self.ray.get(self.ledger.replica_died.remote(rid, cause), timeout=30)
                 del self.replicas[rid]
                 self.ray.kill(rep.actor, no_restart=True)
-                cause = str(error).strip().splitlines()[-1][:500] if str(error).strip() else type(error).__name__
                 self._event(f"replica {rid} died ({cause}); {returned} prompts back to pending", logging.WARNING)
                 if self.stopping:
                     continue
@@ -107,7 +117,27 @@ class ReplicaPool:
                     raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts + 1} times "
                                          f"(inference.max_replica_restarts={self.max_restarts}); last: {cause}")
                 self.restarts += 1
-                self.start(rep.placed, rep.owned)
+                # Backoff: the k-th replacement waits backoff x 2^(k-1) s (at most 60), so that a
+                # fault that repeats (a node going bad) does not spin through the restart budget.
+                delay = min(self.backoff_s * 2.0 ** (self.restarts - 1), 60.0)
+                self.waiting.append((time.monotonic() + delay, rep.placed, rep.owned))
+            now = time.monotonic()
+            due, self.waiting = [w for w in self.waiting if w[0] <= now], [w for w in self.waiting if w[0] > now]
+            for _, placed, owned in due:
+                if not self.stopping:
+                    self.start(placed, owned)
+
+    def _kill_hung(self, every_s: float = 5.0) -> None:
+        if time.monotonic() - self._hung_checked < every_s:
+            return
+        self._hung_checked = time.monotonic()
+        hung = self.ray.get(self.ledger.hung_replicas.remote(self.generation_timeout_s), timeout=30)
+        with self._lock:
+            for rid, age in hung.items():
+                if rid in self.replicas and rid not in self.hung:
+                    self.hung[rid] = (f"hung: a prompt generating for {age:.0f}s "
+                                      f"(inference.generation_timeout_s={self.generation_timeout_s:g})")
+                    self.ray.kill(self.replicas[rid].actor, no_restart=True)
 
     def add(self) -> str | None:
         """A new producer in a new placement group; PlacementError if the cluster has no room,
@@ -150,7 +180,7 @@ class ReplicaPool:
 
         with self._lock:
             self.stopping = True
-            reps, self.replicas = list(self.replicas.values()), {}
+            reps, self.replicas, self.waiting = list(self.replicas.values()), {}, []
         for rep in reps:
             try:
                 self.ray.get(rep.actor.stop.remote(), timeout=30)

@@ -1,9 +1,15 @@
 """`HiddenStateStore`: put/get/remove of whole training samples in the Mooncake store.
 
-One sample is one object under the key `run/group/sample`: its hidden states, token ids and
-loss mask, each section 64-byte aligned, in that order. Only the key and the shapes
-(`SampleRef`) travel through Ray; the bytes move between store clients directly. Reads land in
-a registered buffer (zero copy on RDMA).
+One sample is one object under the key `run/group/sample`: a 64-byte header (format, the
+hidden states' dtype, the shapes, and a keyed BLAKE2b MAC of the whole sample), then its hidden
+states, token ids and loss mask, each section 64-byte aligned, in that order. Only the key and
+the shapes (`SampleRef`) travel through Ray; the bytes move between store clients directly.
+Reads land in a registered buffer (zero copy on RDMA) and are checked against the header before
+anything uses them: the dtype and shapes the reader expects (an fp16 target's states are never
+read as bf16) and the MAC under the job's key (`StoreConfig.sample_key`, handed to every actor
+of the job through Ray). Mooncake's transfer ports take connections on every interface without
+authentication (its engine has no switch for it): whoever reaches them can read or overwrite an
+object, but cannot make the trainer train on a changed one.
 
 Two ways to join the store (`StoreConfig`):
 - attached to the node's store daemon (`node_client`, the default in jobs; see
@@ -22,10 +28,14 @@ treat as backpressure, never as a drop).
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import os
 import socket
+import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -96,6 +106,14 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+HEADER = 64
+_HEADER = struct.Struct("<4sBBHIHI16s")  # magic, version, dtype, -, tokens, layers, hidden, MAC
+MAGIC, VERSION = b"DSPK", 1
+DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
+PIECE = 16 << 20  # MAC'd in pieces of this size, in threads for big samples
+_hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample-mac")
+
+
 @dataclass(frozen=True)
 class SampleRef:
     """Everything a consumer needs to read a sample back, small enough to travel through Ray."""
@@ -116,7 +134,7 @@ class SampleRef:
     @property
     def nbytes(self) -> int:
         h, i, m = self.sections
-        return _aligned(h) + _aligned(i) + m
+        return HEADER + _aligned(h) + _aligned(i) + m
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,32 +149,65 @@ class SampleRef:
         dtype = next(k for k, v in DTYPES.items() if v == sample.hidden_states.dtype)
         return cls(key, sample.num_tokens, tuple(sample.layer_ids), int(sample.hidden_states.shape[-1]), dtype)
 
+    def header_fields(self) -> bytes:
+        """The header up to the MAC: what the MAC also covers."""
+        return _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], 0, self.num_tokens, len(self.layer_ids),
+                            self.hidden_size, b"")[:-16]
 
-def sample_parts(sample: Sample) -> list:
-    """The object's byte sections (numpy views, no copy of the hidden states), padded to ALIGN."""
+
+def sample_mac(key: bytes, fields: bytes, sections: list) -> bytes:
+    """Keyed BLAKE2b (16 bytes) of the header fields and the sections (byte views), a digest per
+    piece of PIECE bytes (computed in threads: hashlib releases the GIL) then one over them all."""
+    pieces = [memoryview(v).cast("B")[i:i + PIECE] for v in sections for i in range(0, max(memoryview(v).nbytes, 1), PIECE)]
+
+    def digest(b) -> bytes:
+        return hashlib.blake2b(b, key=key, digest_size=16).digest()
+
+    digests = list(_hashers.map(digest, pieces)) if len(pieces) > 2 else [digest(p) for p in pieces]
+    return hashlib.blake2b(fields + b"".join(digests), key=key, digest_size=16).digest()
+
+
+def sample_parts(sample: Sample, key: bytes = b"") -> list:
+    """The object's byte sections (numpy views, no copy of the hidden states): the header, then
+    each section padded to ALIGN."""
     h = sample.hidden_states.contiguous().view(torch.uint8).reshape(-1)
     ids = sample.token_ids.to(torch.int32).contiguous().view(torch.uint8)
     mask = sample.loss_mask.to(torch.uint8).contiguous()
-    parts = []
-    for t, last in ((h, False), (ids, False), (mask, True)):
-        parts.append(t.numpy())
-        pad = _aligned(t.numel()) - t.numel()
+    sections = [t.numpy() for t in (h, ids, mask)]
+    fields = SampleRef.for_sample("", sample).header_fields()
+    header = (fields + sample_mac(key, fields, sections)).ljust(HEADER, b"\0")
+    parts = [header]
+    for arr, last in zip(sections, (False, False, True)):
+        parts.append(arr)
+        pad = _aligned(arr.nbytes) - arr.nbytes
         if pad and not last:
             parts.append(bytes(pad))
     return parts
 
 
-def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False) -> Sample:
-    """From `buf` (uint8, at least `ref.nbytes`). Without `copy` the hidden states view `buf`:
-    copy them before reusing it."""
+def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, key: bytes = b"") -> Sample:
+    """From `buf` (uint8, at least `ref.nbytes`), after checking its header against `ref` (format,
+    dtype, shapes) and its MAC under `key`; CorruptSampleError names the key and what differs.
+    Without `copy` the hidden states view `buf`: copy them before reusing it."""
+    magic, version, dtype, _, tokens, layers, hidden, mac = _HEADER.unpack(buf[:_HEADER.size].numpy().tobytes())
+    if magic != MAGIC or version != VERSION:
+        raise CorruptSampleError(f"{ref.key}: not a sample of this format (header {magic!r} v{version})")
+    found = (next((n for n, c in DTYPE_CODES.items() if c == dtype), f"code {dtype}"), tokens, layers, hidden)
+    expected = (ref.dtype, ref.num_tokens, len(ref.layer_ids), ref.hidden_size)
+    if found != expected:
+        raise CorruptSampleError(f"{ref.key}: stored as (dtype, tokens, layers, hidden) {found}, read as {expected}")
     h_n, i_n, m_n = ref.sections
+    o_ids = HEADER + _aligned(h_n)
+    o_mask = o_ids + _aligned(i_n)
+    sections = [buf[HEADER:HEADER + h_n].numpy(), buf[o_ids:o_ids + i_n].numpy(), buf[o_mask:o_mask + m_n].numpy()]
+    if not hmac.compare_digest(mac, sample_mac(key, ref.header_fields(), sections)):
+        raise CorruptSampleError(f"{ref.key}: its bytes do not match their MAC (changed in the store, or written "
+                                 "under another job's key)")
     t = ref.num_tokens
-    hidden = buf[:h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
-    o = _aligned(h_n)
-    ids = buf[o : o + i_n].view(torch.int32).long()
-    o += _aligned(i_n)
-    mask = buf[o : o + m_n].bool()
-    return Sample(ids, mask, hidden.clone() if copy else hidden, list(ref.layer_ids))
+    hidden_states = buf[HEADER:HEADER + h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
+    ids = buf[o_ids:o_ids + i_n].view(torch.int32).long()
+    mask = buf[o_mask:o_mask + m_n].bool()
+    return Sample(ids, mask, hidden_states.clone() if copy else hidden_states, list(ref.layer_ids))
 
 
 def probe(address: str, timeout: float = 2.0) -> bool:
@@ -183,6 +234,9 @@ class StoreConfig:
     # address, filled by the job) for the node this process runs on; none there: a full client.
     node_client: str = ""
     node_clients: dict = field(default_factory=dict)
+    # The job's key for the samples' MACs (hex): puts sign with it, reads check it. Made by the
+    # driver per job, handed to the actors through Ray (and to vLLM's connector in its config).
+    sample_key: str = ""
     extra: dict = field(default_factory=dict)
 
     def resolve_node_client(self) -> str:
@@ -261,6 +315,7 @@ class HiddenStateStore:
 
     def __init__(self, config: StoreConfig | dict) -> None:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig(**config)
+        self.key = bytes.fromhex(self.config.sample_key)
         self._client = None
         self.node_client = ""  # resolved at connect
         self._attachment: _Attachment | None = None
@@ -370,7 +425,7 @@ class HiddenStateStore:
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
         ref = SampleRef.for_sample(key, sample)
-        parts = sample_parts(sample)
+        parts = sample_parts(sample, self.key)
         if not self.node_client:
             # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
             # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).
@@ -431,7 +486,7 @@ class HiddenStateStore:
                 raise_for("get", rc, r.key)
                 if rc != r.nbytes:
                     raise CorruptSampleError(f"{r.key}: read {rc} bytes, expected {r.nbytes}")
-                out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=copy))  # ids and mask are copies already
+                out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=copy, key=self.key))  # ids, mask: copies
             return out
 
     def get_sample(self, ref: SampleRef) -> Sample:

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,20 @@ class TrainerSettings:
     total_steps: int = 1000
     aux_layer_ids: list[int] | None = None
     extensions_dir: str | None = None
+
+
+def load_checkpoints_without_code() -> None:
+    """DeepSpeed reads its checkpoints with `torch.load(weights_only=False)`, which runs whatever
+    a pickled file asks for, and resume reads them from shared storage. In this process torch is
+    told to load weights only (`TORCH_FORCE_WEIGHTS_ONLY_LOAD` overrides the call site's False),
+    with the three plain DeepSpeed types its checkpoints hold allowed (measured with DeepSpeed
+    0.19.8, ZeRO 1 and 2, fp32 and bf16): anything else in a checkpoint file is refused."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
 
 
 def free_port() -> int:
@@ -72,6 +87,7 @@ class TrainerRank:
         self.batch_rows: list[dict] = []
         self.store = None
         self.fetched_step = None
+        self.faults_fired: Counter = Counter()
 
     def connect_store(self) -> None:
         """Join the store as a pure user: the node's daemon (or the master's actor) lends the
@@ -173,6 +189,7 @@ class TrainerRank:
             self.connect_store()
         step = 0
         if resume:
+            load_checkpoints_without_code()
             _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False,
                                                     load_optimizer_states=not resized)
             step = int(client["step"])
@@ -184,38 +201,52 @@ class TrainerRank:
     def reconnect_store(self) -> None:
         self.store.reconnect()
 
-    def fetch(self, step: int, rows: list[dict]) -> list[str]:
-        """Read this rank's samples for `step`; returns the uids whose data is gone."""
+    def fetch(self, step: int, rows: list[dict]) -> dict[str, str]:
+        """Read this rank's samples for `step`; returns {uid: why} for those that cannot be
+        trained: gone from the store, corrupt (Mooncake's error or the sample's own check names
+        it), or with token ids outside the target's vocabulary."""
         from cluster.store import SampleMissing, SampleRef, StoreError, StoreUnavailable
         from dspark.samples import CorruptSampleError
 
         self.batch, self.batch_rows, self.fetched_step = None, [], step
         failures = (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable)
         refs = [SampleRef.from_dict(row["ref"]) for row in rows]
-        missing = []
+        bad: dict[str, str] = {}
         try:
             # One transfer for the whole step; views into the read buffer, which `pack` copies
             # before anything reads again.
             samples = self.store.get_samples(refs, copy=False)
         except failures:
             samples = []
-            for row, ref in zip(rows, refs):  # which ones are gone? (copies: the buffer is reused)
+            for row, ref in zip(rows, refs):  # which ones? (copies: the buffer is reused)
                 try:
                     samples.extend(self.store.get_samples([ref]))
-                except failures:
-                    missing.append(row["uid"])
-        if samples and not missing:
+                except failures as e:
+                    bad[row["uid"]] = f"{type(e).__name__}: {e}"
+        vocab = self.model.config.target_vocab_size
+        if not bad:
+            for row, sample in zip(rows, samples):
+                top = int(sample.token_ids.max()) if sample.num_tokens else 0
+                if top >= vocab:
+                    bad[row["uid"]] = f"token id {top} >= the target's vocabulary ({vocab})"
+        if samples and not bad:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
             dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
             self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype)
             self.batch_rows = rows
-        return missing
+        return bad
 
     def train_step(self, step: int, loss_scale: float = 1.0) -> dict:
         """One optimizer step in lockstep with the other ranks. `loss_scale`: world size over
         ranks with data, so that DeepSpeed's gradient average is the mean over those ranks
         (a rank without data adds a zero gradient). Returns the metrics and, under `trained`,
-        the samples this rank trained on (for the exactly-once record)."""
+        the samples this rank trained on (for the exactly-once record).
+
+        A non-finite loss on any rank skips the update on every rank (they agree through an
+        all-reduce, so the engines stay in lockstep): `skipped` is set, `nonfinite` on the ranks
+        whose loss it was, and nothing is trained."""
+        import torch.distributed as dist
+
         if self.fetched_step != step:
             raise RuntimeError(f"rank {self.rank}: train_step({step}) without fetch({step})")
         t0 = time.perf_counter()
@@ -225,17 +256,33 @@ class TrainerRank:
         if loss is None:
             # Nothing to learn on this rank this step; still take part in the all-reduce.
             loss = sum((p * 0).sum() for p in self.engine.module.parameters() if p.requires_grad)
-        self.engine.backward(loss * loss_scale)
-        self.engine.step()
+        if self.rank == 0 and self.faults_fired[step] < self.s.trainer.fault_nonfinite_steps.count(step):
+            self.faults_fired[step] += 1  # fault injection (tests): as many NaN losses at `step` as it is listed
+            loss = loss * float("nan")
+        nonfinite = not bool(torch.isfinite(loss.detach()).all())
+        flag = torch.tensor([float(nonfinite)], device=loss.device)
+        dist.all_reduce(flag)
+        skipped = bool(flag.item() > 0)
+        if not skipped:
+            self.engine.backward(loss * loss_scale)
+            self.engine.step()
         if self.s.trainer.throttle_s:
             time.sleep(self.s.trainer.throttle_s)
         metrics.update(
-            step=step, rank=self.rank, tokens=self.batch.num_tokens if self.batch is not None else 0,
+            step=step, rank=self.rank, tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
             lr=self.scheduler.get_last_lr()[0] if self.scheduler else None, step_s=time.perf_counter() - t0,
-            trained=[{"uid": r["uid"], "source": r.get("group")} for r in self.batch_rows],
+            skipped=skipped, nonfinite=nonfinite,
+            trained=[] if skipped else [{"uid": r["uid"], "source": r.get("group")} for r in self.batch_rows],
+            batch=[r["uid"] for r in self.batch_rows],
         )
         self.batch, self.batch_rows = None, []
         return metrics
+
+    def parameters_finite(self) -> bool:
+        """Checked before every checkpoint: a model that went non-finite is never saved."""
+        from dspark.samples import all_finite
+
+        return all(all_finite(p.detach()) for p in self.model.parameters() if p.requires_grad and p.numel())
 
     def save(self, tmp_dir: str, step: int, anchor_rngs: list) -> None:
         """Collective: every rank writes its DeepSpeed shard under `tmp_dir/trainer`."""
@@ -253,10 +300,19 @@ class TrainerRank:
         tmp, dest = Path(tmp_dir), Path(dest)
         save_drafter(self.model, tmp / "drafter")
         (tmp / "ledger.json").write_text(json.dumps(ledger_state))
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
+        for f in tmp.rglob("*"):  # on disk before the rename makes it the latest
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
+        fd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself
+        finally:
+            os.close(fd)
         return str(dest)
 
     def export(self, dest: str, confidence_temperatures: list[float] | None = None) -> str:

@@ -21,8 +21,9 @@ from cluster.trainer import TrainerRank, TrainerSettings
 log = logging.getLogger("dspark.trainer")
 
 
-class TrainerCallError(RuntimeError):
-    pass
+class TrainerFailure(RuntimeError):
+    """A call on the world failed: a rank died, hung past the deadline, or raised. The job
+    restarts the world from its last checkpoint (a bounded number of times)."""
 
 
 class TrainerGang:
@@ -36,12 +37,17 @@ class TrainerGang:
         self.generation = 0  # bumped per (re)start: actor names stay unique
 
     # ---- fan-out --------------------------------------------------------------------------
-    def _wait(self, refs, what: str, timeout: float | None = None):
+    def _wait(self, refs, what: str):
         try:
-            return self.ray.get(refs, timeout=timeout or self.timeout)
+            return self.ray.get(refs, timeout=self.timeout)
         except self.ray.exceptions.GetTimeoutError:
-            raise TrainerCallError(f"trainer ranks did not finish {what} within {timeout or self.timeout:.0f}s "
-                                   f"(trainer.call_timeout_s)") from None
+            raise TrainerFailure(f"trainer ranks did not finish {what} within {self.timeout:.0f}s "
+                                 f"(trainer.call_timeout_s)") from None
+        except self.ray.exceptions.RayActorError as e:
+            raise TrainerFailure(f"a trainer rank died during {what}: {str(e).strip().splitlines()[-1][:400]}") from None
+        except self.ray.exceptions.RayTaskError as e:
+            cause = str(e.cause if getattr(e, "cause", None) is not None else e).strip().splitlines()
+            raise TrainerFailure(f"a trainer rank failed during {what}: {cause[-1][:400] if cause else type(e).__name__}") from None
 
     def call(self, method: str, *args, what: str | None = None) -> list:
         """`method(*args)` on every rank, in rank order."""
@@ -96,10 +102,10 @@ class TrainerGang:
         self.ranks = []
 
     # ---- a step ---------------------------------------------------------------------------
-    def fetch(self, step: int, lease: list[list[dict]]) -> list[str]:
-        """Every rank reads its share of the step; the uids whose data is gone."""
+    def fetch(self, step: int, lease: list[list[dict]]) -> dict[str, str]:
+        """Every rank reads its share of the step; {uid: why} for samples that cannot be trained."""
         refs = [r.fetch.remote(step, rows) for r, rows in zip(self.ranks, lease)]
-        return sum(self._wait(refs, f"reading step {step}"), [])
+        return {uid: why for bad in self._wait(refs, f"reading step {step}") for uid, why in bad.items()}
 
     def train_step(self, step: int, lease: list[list[dict]]) -> list[dict]:
         with_data = sum(1 for rows in lease if rows)

@@ -95,14 +95,19 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], ReadReport
         rows = enumerate(ds, start=1)
     else:
         def lines():
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, start=1):
-                    if line.strip():
-                        yield n, line
+            with open(path, "rb") as f:
+                for n, raw in enumerate(f, start=1):
+                    if raw.strip():
+                        yield n, raw
 
         rows = lines()
     for n, row in rows:
         try:
+            if isinstance(row, bytes):  # one undecodable line is one malformed record, named by its line
+                try:
+                    row = row.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise MalformedRecord(f"not UTF-8: byte 0x{row[e.start]:02x} at column {e.start + 1}") from None
             obj = json.loads(row) if isinstance(row, str) else dict(row)
             msgs = to_messages(obj)
         except (json.JSONDecodeError, MalformedRecord, AttributeError, TypeError) as e:

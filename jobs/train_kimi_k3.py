@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from cluster.config import ConfigError, load_config  # noqa: E402
 
@@ -51,6 +49,9 @@ def plan(cfg, simulate: str | None) -> int:
         return 0
     except PlacementError as e:
         print(f"cannot place: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
         return 2
     finally:
         ray.shutdown()
@@ -90,7 +91,15 @@ def main() -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    result = job.run()
+    try:
+        result = job.run()
+    except ConfigError as e:  # found in the preparation, against the target: nothing was started
+        print(e, file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the cause in one line, after the traceback in the log
+        logging.getLogger("dspark.job").exception("the job failed")
+        print(f"\njob failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     ev = result["evaluation"]
     print(f"\nheld-out tau = {ev['tau']:.3f} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
           f"lossless={ev['lossless']}; per-position acceptance "

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 export DSPARK_CACHE=${DSPARK_CACHE:-$PWD/.cache}
-export RAY_AUTH_MODE=disabled WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false  # (Ray's token authentication: tests/conftest.py)
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$DSPARK_CACHE/torch_extensions}
 exec .venv/bin/python -m pytest -m "not slow" "$@"

@@ -4,6 +4,7 @@ repository's `.cache/`), which `.ci/run` and the README's commands reuse."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DSPARK_CACHE", str(ROOT / ".cache"))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Token authentication, as in every run (Ray listens on every interface): one token per test
+# session, inherited by every process the tests start (jobs, `--plan`, resubmissions).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ["DSPARK_CACHE"]) / "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -71,3 +76,22 @@ def mooncake_master(tmp_path_factory):
     m = MooncakeMaster(log_dir=str(tmp_path_factory.mktemp("mooncake")))
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="session")
+def replay_dir(smol_target, tmp_path_factory):
+    """Eight SmolLM2-shaped samples (random hidden states, 120-232 tokens) for the replay
+    backend: the job's data path, scaling and recovery without running the target."""
+    from dspark.config import DSparkConfig
+    from dspark.samples import Sample, write_sample
+
+    d = tmp_path_factory.mktemp("replay_samples")
+    layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
+    g = torch.Generator().manual_seed(0)
+    for i in range(8):
+        t = 120 + 16 * i
+        mask = torch.arange(t) >= 40
+        write_sample(d / f"s{i}.safetensors", Sample(torch.randint(20, 5000, (t,), generator=g), mask,
+                                                     (0.5 * torch.randn(t, len(layer_ids), 576, generator=g)).to(torch.bfloat16),
+                                                     layer_ids))
+    return d

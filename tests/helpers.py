@@ -39,3 +39,32 @@ def random_batch(cfg: DSparkConfig, lengths=(40, 27), prompt_len: int = 8, seed:
     aux = torch.randn(t, len(cfg.aux_layer_ids) * h, generator=g)
     last = torch.randn(t, h, generator=g)
     return PackedBatch(ids, pos, doc, mask, aux, last)
+
+
+def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float = 600.0, second_timeout_s: float = 900.0):
+    """Run the job's entry script `cmd` against the test session's Ray, SIGKILL its process
+    group once `run_dir` holds a finished checkpoint, run the same command again to the end.
+    Returns (the newest checkpoint step when killed, the second run's CompletedProcess)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import ray
+
+    # Not this process's wandb service (an earlier test may have started one): it would still
+    # hold the killed run's id when the second run asks for it ("run ID resume is in use").
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    ckpts = run_dir / "checkpoints"
+    with open(log_path, "w") as log:
+        first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + first_timeout_s
+        while not list(ckpts.glob("step-*/meta.json")) and first.poll() is None:
+            assert time.monotonic() < deadline, f"no checkpoint within {first_timeout_s:.0f}s"
+            time.sleep(0.5)
+        assert first.poll() is None, "the first run finished before it could be killed"
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*") if (p / "meta.json").exists())
+    second = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=second_timeout_s)
+    return killed_at, second

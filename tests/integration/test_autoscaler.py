@@ -5,27 +5,10 @@ a replica is removed; every prompt is trained exactly once throughout."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cluster.config import load_config
-from dspark.config import DSparkConfig
-from dspark.samples import Sample, write_sample
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def replay_dir(smol_target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("replay_samples")
-    layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
-    g = torch.Generator().manual_seed(0)
-    for i in range(8):
-        t = 120 + 16 * i
-        mask = torch.arange(t) >= 40
-        write_sample(d / f"s{i}.safetensors", Sample(torch.randint(20, 5000, (t,), generator=g), mask,
-                                                     (0.5 * torch.randn(t, len(layer_ids), 576, generator=g)).to(torch.bfloat16),
-                                                     layer_ids))
-    return d
 
 
 def run(tmp_path, replay_dir, name, overrides):

@@ -10,12 +10,11 @@ import json
 import pytest
 
 from cluster.config import load_config
-from tests.integration.test_autoscaler import replay_dir  # noqa: F401 - the shared sample folder fixture
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_target, replay_dir, tmp_path):  # noqa: F811
+def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import TrainingJob
 
     # g0's replica is unthrottled and fills its share of the store past the low watermark

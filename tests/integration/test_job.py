@@ -5,8 +5,6 @@ endpoint, and (slow) kill + resubmit resuming from the last checkpoint."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -84,28 +82,14 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_and_resubmit_resumes(ray_cluster, smol_target, tmp_path):
+def test_fault_driver_killed_and_resubmitted_with_vllm(ray_cluster, smol_target, tmp_path):
     """SIGKILL the job's driver after its first checkpoint; the rerun resumes from it and ends
     with every prompt trained exactly once."""
-    import ray
+    from tests.helpers import kill_and_resubmit
 
-    # Not this process's wandb service (an earlier test may have started one): it would still
-    # hold the killed run's id when the second run asks for it ("run ID resume is in use").
-    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     cmd = [sys.executable, str(ROOT / "jobs" / "train_kimi_k3.py"), "--config", str(ROOT / "configs" / "local.yaml"),
            "run_name=resume", f"output_dir={tmp_path}", "data.max_prompts=48", *SMALL]
-    log1 = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen(cmd, env=env, stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
-    ckpt_root = tmp_path / "resume" / "checkpoints"
-    deadline = time.monotonic() + 600
-    while not list(ckpt_root.glob("step-*")) and first.poll() is None:
-        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-        time.sleep(1)
-    assert first.poll() is None, "the first run finished before it could be killed"
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    killed_at = sorted(int(p.name.split("-")[1]) for p in ckpt_root.glob("step-*"))[-1]
-    second = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    killed_at, second = kill_and_resubmit(cmd, tmp_path / "resume", tmp_path / "first.log")
     assert second.returncode == 0, second.stdout[-3000:]
     result = json.loads((tmp_path / "resume" / "result.json").read_text())
     assert any("resumed from" in e for e in result["events"])

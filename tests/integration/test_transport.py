@@ -30,13 +30,15 @@ class Consumer:
         self.ledger, self.ckpt, self.every = ledger, ckpt, every
         self.store = HiddenStateStore(StoreConfig(**store)).connect()
         self.seen: list[str] = []
-        self.step = 0
+        self.step = self.committed = 0
+        self.last_step = time.monotonic()
         self.missing = 0  # samples found gone from the store and sent back for regeneration
         try:  # resume from our last checkpoint, as a restarted trainer does
             import ray
 
             saved = json.loads(open(ckpt).read())
             self.seen, self.step = saved["seen"], saved["step"]
+            self.committed = self.step
             stale = ray.get(ledger.load_state_dict.remote(saved["ledger"]))
             for k in stale:
                 self.store.remove(k)
@@ -56,8 +58,13 @@ class Consumer:
             if lease is None:
                 if ray.get(self.ledger.drained.remote()):
                     break
+                if self.step > self.committed and time.monotonic() - self.last_step > 2.0:
+                    # As the trainer does: with nothing to lease for a while, what it holds
+                    # uncommitted may be what fills the store (Mooncake evicts nothing): commit.
+                    self.checkpoint()
                 time.sleep(0.05)
                 continue
+            self.last_step = time.monotonic()
             rows = lease[0]
             try:
                 samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
@@ -97,6 +104,7 @@ class Consumer:
         os.replace(self.ckpt + ".tmp", self.ckpt)
         for k in ray.get(self.ledger.commit.remote(self.step)):
             self.store.remove(k)
+        self.committed = self.step
 
     def seen_uids(self) -> list[str]:
         return list(self.seen)

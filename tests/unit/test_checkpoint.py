@@ -69,3 +69,34 @@ def test_trainer_state_round_trip_without_pickle(tiny_target, tmp_path):
     for k, v in opt.state_dict()["state"].items():
         for name, t in v.items():
             assert torch.equal(torch.as_tensor(opt2.state_dict()["state"][k][name]), torch.as_tensor(t))
+
+
+def test_trainer_checkpoints_load_weights_only(tmp_path):
+    """Resume reads DeepSpeed's files from shared storage: a pickle that would run code is refused,
+    the plain types DeepSpeed's own checkpoints hold still load."""
+    import os
+    import pickle
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from cluster.trainer import load_checkpoints_without_code
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    evil, fine = tmp_path / "evil.pt", tmp_path / "fine.pt"
+    with open(evil, "wb") as f:
+        pickle.dump({"module": RunsCode()}, f)
+    torch.save({"loss_scaler": LossScaler(1.0), "step": 3, "rng": torch.Generator().get_state()}, fine)
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    try:
+        load_checkpoints_without_code()
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(evil, weights_only=False)  # what DeepSpeed's checkpoint engine asks for
+        assert torch.load(fine, weights_only=False)["step"] == 3
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before

@@ -1,0 +1,78 @@
+"""Bad inputs fail at once, before any actor starts, with a message that names the cause: the
+config key, the file and line, the prompt file's line; never a bare traceback from deep inside
+a library, never a hang."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import ConfigError, check_against_target, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ROOT / "configs" / "local.yaml"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.lr=-0.001", r"`trainer\.lr`: -0\.001 is out of range \(must be > 0\)"),
+    ("trainer.batch_tokens=0", r"`trainer\.batch_tokens`: 0 is out of range"),
+    ("trainer.checkpoint_interval=0", r"`trainer\.checkpoint_interval`"),
+    ("data.epochs=0", r"`data\.epochs`"),
+    ("data.heldout_fraction=1.0", r"`data\.heldout_fraction`: 1\.0 is out of range \(must be >= 0 and < 1\)"),
+    ("trainer.zero_stage=7", r"`trainer\.zero_stage`: 7 is out of range \(must be >= 0 and <= 3\)"),
+    ("sampling.max_tokens=1024", r"`sampling\.max_tokens`: 1024 leaves no room for a prompt within target\.max_model_len=1024"),
+    ("run_name=../escape", r"`run_name`: '\.\./escape' must be one folder name"),
+    ("run_name=a/b", r"`run_name`"),
+    ("transport.master_port=70000", r"`transport\.master_port`"),
+    ("sampling.top_p=0", r"`sampling\.top_p`"),
+    ("data.max_failed_fraction=2", r"`data\.max_failed_fraction`"),
+    ("drafter.num_anchors=0", r"`drafter\.num_anchors`"),
+])
+def test_bad_input_config_value_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(LOCAL, [override])
+
+
+def test_bad_input_config_file_names_the_file_and_line(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- run_name: x\n- device: cpu\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml: the top level must be a mapping of sections .* not a list"):
+        load_config(listed)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run_name: x\ntrainer:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: line \d+, column \d+: not valid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match=r"missing\.yaml: No such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_bad_input_against_the_target_names_the_key():
+    smol = SimpleNamespace(num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192)
+    for override, key in [("target.aux_layer_ids=[2,8,31]", "target.aux_layer_ids"),
+                          ("target.aux_layer_ids=[2,2]", "target.aux_layer_ids"),
+                          ("drafter.draft_vocab_size=60000", "drafter.draft_vocab_size"),
+                          ("drafter.mask_token_id=49152", "drafter.mask_token_id"),
+                          ("target.max_model_len=16384", "target.max_model_len")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            check_against_target(load_config(LOCAL, [override, "sampling.max_tokens=160"]), smol)
+    check_against_target(load_config(LOCAL), smol)  # the shipped config is fine
+
+
+def test_bad_input_prompts_file_names_the_line(tmp_path):
+    from cluster.job import load_prompts
+    from dspark.prompts import read_conversations
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(json.dumps({"id": "a", "prompt": "hello"}).encode() + b"\n" + b'{"id": "b", "prompt": "caf\xe9"}\n'
+                  + b"not json\n")
+    convs, report = read_conversations(f)
+    assert [c.id for c in convs] == ["a"]
+    assert report.bad[0][0] == 2 and "not UTF-8: byte 0xe9" in report.bad[0][1] and report.bad[1][0] == 3
+    assert "line 2: not UTF-8" in report.summary()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"no training prompts in data\.prompts=.*empty\.jsonl"):
+        load_prompts(load_config(LOCAL, [f"data.prompts=[{empty}]"]))
