@@ -27,6 +27,10 @@ class ConfigError(ValueError):
 @dataclass
 class TargetConfig:
     path: str = LOCAL_TARGET  # an HF checkpoint dir, or `smollm2` for the local conversion
+    # The public model id (e.g. `moonshotai/Kimi-K3`) written as the verifier in the exported
+    # drafter's config.json and serving recipe: a shared checkpoint must not name a local path.
+    # None: the path.
+    name: str | None = None
     aux_layer_ids: list[int] | None = None  # speculators indexing; None: evenly spaced
     num_aux_layers: int = 5
     tensor_parallel_size: int = 1
@@ -82,6 +86,10 @@ class DataConfig:
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
     eval_timeout_s: float = 1800.0  # the held-out evaluation; past it the job fails naming it
+    # Who decodes the held-out prompts: `vllm` serves the target with the drafter where the
+    # target runs (`dspark` on GPU, the backbone as `dflash` on CPU), `reference` runs
+    # dspark.evaluate (transformers, on the driver: small targets only); auto: vllm on cuda.
+    eval_backend: str = "auto"
     # Prompts that end FAILED (after their attempts) are listed in result.json; above this
     # fraction of all prompt x epochs the job exits with an error.
     max_failed_fraction: float = 0.01
@@ -263,6 +271,7 @@ CHOICES = {
     "trainer.release_samples": ("at_commit", "after_step"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "inference.backend": ("vllm", "replay"),
+    "data.eval_backend": ("auto", "reference", "vllm"),
 }
 
 
@@ -359,6 +368,7 @@ RANGES = {
     "inference.restart_backoff_s": NON_NEGATIVE,
     "inference.first_samples_timeout_s": POSITIVE,
 }
+MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
 
 
@@ -376,6 +386,8 @@ def validate(cfg: JobConfig) -> None:
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")
+    if cfg.target.name is not None and (not MODEL_ID.match(cfg.target.name) or ".." in cfg.target.name):
+        raise ConfigError(f"config error at `target.name`: {cfg.target.name!r} is not a model id like `org/name`")
     if cfg.sampling.max_tokens >= cfg.target.max_model_len:
         raise ConfigError(f"config error at `sampling.max_tokens`: {cfg.sampling.max_tokens} leaves no room for a prompt "
                           f"within target.max_model_len={cfg.target.max_model_len}")

@@ -32,6 +32,7 @@ from cluster.metrics import Metrics
 from cluster.progress import ProgressReporter, TrainingStats
 from cluster.record import TrainingRecord
 from cluster.trainer_gang import TrainerFailure
+from dspark.recipe import write_recipe
 
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
@@ -125,7 +126,8 @@ class TrainingJob:
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
         (self.run_dir / "heldout.jsonl").write_text(
-            "".join(json.dumps({"id": c.id, "messages": c.prompt_messages}) + "\n" for c in self.heldout))
+            "".join(json.dumps({"id": c.id, "category": c.category, "messages": c.prompt_messages}) + "\n"
+                    for c in self.heldout))
         if self.cfg.logging.wandb_mode != "disabled":
             import wandb
 
@@ -177,25 +179,32 @@ class TrainingJob:
             threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
 
     def producer_spec(self, group_index: int):
-        from cluster.inference import InferenceActor, InferenceSettings
+        from cluster.inference import InferenceActor
         from cluster.replay import ReplayActor, ReplaySettings
         from cluster.replicas import ProducerSpec
         from cluster.store import StoreConfig
 
-        c, t, g = self.cfg, self.cfg.target, self.cfg.topology.groups[group_index]
+        c, g = self.cfg, self.cfg.topology.groups[group_index]
         if c.inference.backend == "replay":
             i = c.inference
             rate = g.replay_samples_per_s if g.replay_samples_per_s is not None else i.replay_samples_per_s
             settings = ReplaySettings(i.replay_dir, StoreConfig(), rate, crash_on=list(i.replay_crash_on),
                                       hang_on=list(i.replay_hang_on), fault_dir=str(self.run_dir))
             return ProducerSpec(ReplayActor, settings, i.prompt_batch)
-        return ProducerSpec(InferenceActor, InferenceSettings(
-            target_path=self.target_path, layer_ids=self.layer_ids, key_prefix=f"{c.run_name}/{g.name}",
+        return ProducerSpec(InferenceActor, self.inference_settings(g.name), c.inference.prompt_batch)
+
+    def inference_settings(self, group: str):
+        from cluster.inference import InferenceSettings
+        from cluster.store import StoreConfig
+
+        c, t = self.cfg, self.cfg.target
+        return InferenceSettings(
+            target_path=self.target_path, layer_ids=self.layer_ids, key_prefix=f"{c.run_name}/{group}",
             store=StoreConfig(), device=c.device, dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
             max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs, kv_cache_dtype=t.kv_cache_dtype,
             enforce_eager=t.enforce_eager, gpu_memory_utilization=t.gpu_memory_utilization,
             cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-            max_tokens=c.sampling.max_tokens), c.inference.prompt_batch)
+            max_tokens=c.sampling.max_tokens)
 
     def trainer_settings(self):
         from cluster.trainer import TrainerSettings
@@ -501,7 +510,7 @@ class TrainingJob:
         proof = self.record.verify(outcome, complete=self.ended_by == "data")
         log.info("exactly-once: %s", proof)
         final = self.run_dir / "final"
-        self.gang.on_rank0("export", str(final), calibration.get("temperatures"))
+        self.gang.on_rank0("export", str(final), calibration.get("temperatures"), self.cfg.target.name)
         counts = self.ledger_call("counts")
         results = {
             "run_dir": str(self.run_dir), "drafter": str(final), "steps": self.stats.step, "ended_by": self.ended_by,
@@ -519,11 +528,15 @@ class TrainingJob:
             log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
         results["evaluation"] = self.evaluate(str(final))
         results["tau"] = results["evaluation"]["tau"]
+        write_recipe(final, self.training_summary(proof["trained"]), results["evaluation"])
         # Final values once more, fresh for whoever looks after the job: Ray drops series that
         # nobody has set for a while, and training ended before the evaluation.
         self.reporter.report()
         self.reporter.publish_train(self.stats.last)
         self.metrics.gauge("heldout_tau", results["tau"])
+        self.metrics.gauge("heldout_macro_tau", results["evaluation"]["macro_tau"])
+        for category, figures in results["evaluation"]["per_category"].items():
+            self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
         (self.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
         if results["failed_fraction"] > self.cfg.data.max_failed_fraction:
             u = failed[0]
@@ -533,17 +546,64 @@ class TrainingJob:
                             f"are written ({self.run_dir})")
         return results
 
+    def training_summary(self, trained: int) -> dict:
+        """What the model card says about the data the drafter learned from."""
+        categories: dict[str, int] = {}
+        for c in self.train_prompts:
+            categories[c.category or "uncategorized"] = categories.get(c.category or "uncategorized", 0) + 1
+        sampling = self.cfg.sampling
+        return {"target": self.cfg.target.name or self.target_path, "prompt_files": list(self.cfg.data.prompts),
+                "train_prompts": len(self.train_prompts), "heldout_prompts": len(self.heldout), "categories": categories,
+                "epochs": self.cfg.data.epochs, "trained_samples": trained, "steps": self.stats.step,
+                "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
+
     def evaluate(self, drafter: str) -> dict:
+        """The held-out evaluation within `data.eval_timeout_s`: vLLM serving the target with the
+        drafter where the target runs (GPU: the driver never loads the target), the reference
+        decoder in a subprocess on CPU. Per-request rows go to eval.json, figures to result.json."""
+        backend = self.cfg.data.eval_backend
+        if backend == "auto":
+            backend = "vllm" if self.cfg.device == "cuda" else "reference"
         out = self.run_dir / "eval.json"
-        cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
-               "--prompts", str(self.run_dir / "heldout.jsonl"), "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens),
-               "--json", str(out)]
-        if self.cfg.data.eval_limit:
-            cmd += ["--limit", str(self.cfg.data.eval_limit)]
-        subprocess.run(cmd, check=True, cwd=ROOT, timeout=self.cfg.data.eval_timeout_s)
+        if backend == "vllm":
+            out.write_text(json.dumps(self.evaluate_served(drafter), indent=2))
+        else:
+            cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
+                   "--prompts", str(self.run_dir / "heldout.jsonl"), "--json", str(out),
+                   "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens)]
+            if self.cfg.data.eval_limit:
+                cmd += ["--limit", str(self.cfg.data.eval_limit)]
+            subprocess.run(cmd, check=True, cwd=ROOT, timeout=self.cfg.data.eval_timeout_s)
         res = json.loads(out.read_text())
         res.pop("requests", None)
         return res
+
+    def evaluate_served(self, drafter: str) -> dict:
+        """vLLM with the drafter, in the first inference placement group (its replica has stopped).
+        On CPU vLLM runs only the backbone (`dflash`), exported beside the drafter."""
+        from cluster.replicas import engine_actor_options
+        from cluster.served_eval import ServedEvalSettings, ServedEvaluator
+        from dspark.tau_report import stratified
+
+        method = "dspark" if self.cfg.device == "cuda" else "dflash"
+        if method == "dflash":
+            from dspark.checkpoint import export_dflash_backbone, load_drafter
+
+            drafter = str(export_dflash_backbone(load_drafter(drafter, self.target_path), self.run_dir / "final-dflash"))
+        held = stratified(self.heldout, lambda c: c.category, self.cfg.data.eval_limit)
+        prompts = [{"id": c.id, "category": c.category, "messages": c.prompt_messages} for c in held]
+        settings = ServedEvalSettings(self.inference_settings("eval"), drafter, method, self.cfg.data.eval_max_new_tokens)
+        placed = next(p for p in self.placed if p.spec.role == "inference")
+        actor = self.ray.remote(ServedEvaluator).options(
+            name=f"{self.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.tensor_parallel_size),
+        ).remote(settings)
+        try:
+            return self.ray.get(actor.evaluate.remote(prompts), timeout=self.cfg.data.eval_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the served evaluation ({method}, {len(prompts)} prompts) did not finish within "
+                               f"data.eval_timeout_s={self.cfg.data.eval_timeout_s}") from None
+        finally:
+            self.ray.kill(actor)
 
     def shutdown(self) -> None:
         from cluster.placement import release

@@ -47,6 +47,19 @@ class Replica:
     owned: bool  # its placement group was made by the pool (the autoscaler's), not the job's
 
 
+def engine_actor_options(placed: Placed, tensor_parallel_size: int) -> dict:
+    """Ray options for an actor that runs a vLLM engine in a replica's placement group: on its
+    first bundle (node order); with TP > 1 the engine's own Ray workers take the GPUs, in the
+    bundle order vLLM is told (node by node)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = placed.spec.bundles[0]
+    env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, placed.order))} if bundle.get("GPU") else {}
+    return {"num_cpus": bundle.get("CPU", 1), "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0]),
+            "runtime_env": {"env_vars": env} if env else None}
+
+
 class ReplicaPool:
     def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
                  run_name: str, placement_timeout_s: float, max_restarts: int, generation_timeout_s: float = 1800.0,
@@ -70,23 +83,14 @@ class ReplicaPool:
         return len(self.replicas) + len(self.waiting)
 
     def start(self, placed: Placed, owned: bool = False) -> str:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         with self._lock:
             rid = f"{self.group}-r{self.seq}"
             self.seq += 1
             self.services.ensure_node_stores([placed])
             settings = replace(self.spec.settings, store=self.services.store_config())
-            bundle = placed.spec.bundles[0]
-            tp = getattr(settings, "tensor_parallel_size", 1)
-            env = {}
-            if bundle.get("GPU"):  # vLLM gives TP ranks to bundles in this order: node by node
-                env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
             actor = self.ray.remote(self.spec.actor_class).options(
-                num_cpus=bundle.get("CPU", 1), num_gpus=0 if tp > 1 else bundle.get("GPU", 0),
                 max_concurrency=2, name=f"{self.run_name}-{rid}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0]),
-                runtime_env={"env_vars": env} if env else None,
+                **engine_actor_options(placed, getattr(settings, "tensor_parallel_size", 1)),
             ).remote(settings, rid, self.group)
             self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned)
             return rid

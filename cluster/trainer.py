@@ -315,9 +315,11 @@ class TrainerRank:
             os.close(fd)
         return str(dest)
 
-    def export(self, dest: str, confidence_temperatures: list[float] | None = None) -> str:
+    def export(self, dest: str, confidence_temperatures: list[float] | None = None, verifier: str | None = None) -> str:
         from dspark.checkpoint import save_drafter
 
+        if verifier:
+            self.model.config.verifier_name_or_path = verifier
         if confidence_temperatures is not None:
             self.model.config.confidence_temperatures = confidence_temperatures
         save_drafter(self.model, dest)

@@ -7,8 +7,10 @@ Prompts: JSONL with `messages` (OpenAI chat) or `prompt` (one user turn) per lin
 `conversations` and `datasets` folders work too). For each prompt the target first decodes
 alone, then with the drafter. OUT.json holds `tau`, `per_position_acceptance`, `num_prompts`,
 `generated_tokens`, `lossless` (greedy: speculative output identical to the target's own, token
-for token; null when sampling), `target_only_tokens_per_s`, `speculative_tokens_per_s`, and the
-per-request details.
+for token; null when sampling), `target_only_tokens_per_s`, `speculative_tokens_per_s`, the
+figures drafters are judged by (`per_category` — from each prompt's `category` —, `macro_tau`,
+`percentiles` of per-request τ, `by_prompt_length`; see `dspark.tau_report`) and the
+per-request details. `--limit` takes prompts round-robin over categories.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_drafter
-from .decoder import DecodeStats, SpeculativeDecoder, target_generate
+from .decoder import SpeculativeDecoder, target_generate
 from .prompts import read_conversations, split
 from .scheduler import StepRateTable
+from .tau_report import RequestResult, format_length_table, format_table, stratified, summarize
 from .targets import load_target, render_prompt
 
 log = logging.getLogger("dspark.evaluate")
@@ -62,7 +65,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.split != "all":
         train, held = split(convs, args.heldout_fraction, args.split_seed)
         convs = held if args.split == "heldout" else train
-    convs = convs[: args.limit] if args.limit else convs
+    convs = stratified(convs, lambda c: c.category, args.limit)
     if not convs:
         raise SystemExit("no prompts to evaluate")
     model, tok = load_target(args.target, dtype)
@@ -77,7 +80,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     )
     stop = {tok.eos_token_id}
     greedy = args.temperature <= 0
-    total = DecodeStats()
+    rows: list[RequestResult] = []
     requests, lossless = [], True if greedy else None
     t_target = t_spec = 0.0
     n_target = n_spec = 0
@@ -96,21 +99,20 @@ def evaluate(args: argparse.Namespace) -> dict:
             lossless = lossless and same
             if not same:
                 log.error("LOSSLESS VIOLATION on %s", c.id)
-        total.merge(stats)
-        requests.append({"id": c.id, "tau": stats.tau, "steps": stats.steps, "generated_tokens": len(out),
+        rows.append(RequestResult(c.id, c.category, len(ids), stats))
+        requests.append({"id": c.id, "category": c.category, "prompt_tokens": len(ids), "tau": stats.tau,
+                         "steps": stats.steps, "accepted": stats.accepted, "generated_tokens": len(out),
                          "identical_to_target": same if greedy else None})
+    figures = summarize(rows)
     return {
-        "tau": total.tau,
-        "per_position_acceptance": total.per_position_acceptance,
-        "num_prompts": len(convs),
+        **figures,
         "generated_tokens": n_spec,
         "lossless": lossless,
         "target_only_tokens_per_s": n_target / t_target if t_target else 0.0,
         "speculative_tokens_per_s": n_spec / t_spec if t_spec else 0.0,
         "speedup": (n_spec / t_spec) / (n_target / t_target) if t_target and t_spec and n_target else None,
-        "num_drafts": total.steps,
-        "num_draft_tokens": total.drafted,
-        "num_accepted_tokens": total.accepted,
+        "num_draft_tokens": sum(r.stats.drafted for r in rows),
+        "num_accepted_tokens": sum(r.stats.accepted for r in rows),
         "settings": {
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "draft_sample_method": args.draft_sample_method, "rejection_sample_method": args.rejection_sample_method,
@@ -130,6 +132,9 @@ def main(argv=None) -> int:
     log.info("tau %.3f over %d prompts (%d tokens); lossless=%s; target %.1f tok/s, speculative %.1f tok/s",
              result["tau"], result["num_prompts"], result["generated_tokens"], result["lossless"],
              result["target_only_tokens_per_s"], result["speculative_tokens_per_s"])
+    print(format_table(result))
+    if len(result["by_prompt_length"]) > 1:
+        print(format_length_table(result["by_prompt_length"]))
     return 0 if result["lossless"] in (True, None) else 1
 
 

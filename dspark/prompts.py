@@ -24,6 +24,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 class Conversation:
     id: str
     messages: list[dict]
+    category: str | None = None  # the domain τ is reported by (math, coding, ...), from the record's `category`
 
     @property
     def prompt_messages(self) -> list[dict]:
@@ -114,7 +115,8 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], ReadReport
             report.bad.append((n, str(e)[:200]))
             continue
         cid = str(obj.get("id")) if obj.get("id") is not None else f"{path.stem}:{n}"
-        convs.append(Conversation(cid, msgs))
+        cat = obj.get("category")
+        convs.append(Conversation(cid, msgs, str(cat) if cat not in (None, "") else None))
         report.ok += 1
     return convs, report
 

@@ -79,6 +79,7 @@ def main() -> int:
 
     from cluster.control import Stop
     from cluster.job import TrainingJob
+    from dspark.tau_report import format_table
 
     ray.init(log_to_driver=True)
     job = TrainingJob(cfg)
@@ -104,6 +105,7 @@ def main() -> int:
     print(f"\nheld-out tau = {ev['tau']:.3f} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
           f"lossless={ev['lossless']}; per-position acceptance "
           + " ".join(f"{a:.2f}" for a in ev["per_position_acceptance"]))
+    print(format_table(ev))
     proof = result["exactly_once"]
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
           f"({proof['crossed']} by another group's rank); record: {proof['record']}")

@@ -55,7 +55,16 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     assert sorted(r["uid"] for r in rows) == sorted(f"{p}@{e}" for p in {r["prompt"] for r in rows} for e in (0, 1))
     assert len(rows) == 48 and all(r["rank"] == 0 and 1 <= r["step"] <= result["steps"] for r in rows)
     ev = result["evaluation"]
-    assert ev["lossless"] is True and ev["tau"] >= 1.0 and ev["num_prompts"] == 2
+    assert ev["lossless"] is True and ev["num_prompts"] == 2
+    # Figures per category, from the categories of the prompts the evaluation took (round-robin).
+    evaluated = json.loads((run / "eval.json").read_text())["requests"]
+    assert sorted(ev["per_category"]) == sorted({r["category"] for r in evaluated}) and all(r["category"] for r in evaluated)
+    assert ev["macro_tau"] == pytest.approx(sum(c["tau"] for c in ev["per_category"].values()) / len(ev["per_category"]))
+    assert ev["percentiles"]["p10"] <= ev["percentiles"]["p90"]
+    # The serving recipe and model card ship with the drafter.
+    card = (Path(result["drafter"]) / "README.md").read_text()
+    assert "| category |" in card and f"{ev['macro_tau']:.3f}" in card
+    assert (Path(result["drafter"]) / "serve.sh").stat().st_mode & 0o111
     ckpts = sorted((run / "checkpoints").glob("step-*"))
     assert ckpts and all((c / "drafter" / "config.json").exists() and (c / "ledger.json").exists() for c in ckpts)
     from speculators.model import SpeculatorModel
@@ -79,6 +88,25 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     s = json.loads(served.read_text())
     assert s["vllm_lossless"] is True and s["vllm"]["drafts"] > 0
     assert abs(s["vllm"]["tau"] - s["ours"]["tau"]) <= 0.05, (s["vllm"], s["ours"])
+
+    # The served evaluation (the job's path where the target runs) reads every request's
+    # verification steps from vLLM; pooled, they equal the engine-wide counters above, read
+    # by another path in vLLM, for the same engine settings and prompts.
+    import ray
+
+    from cluster.inference import InferenceSettings
+    from cluster.served_eval import ServedEvalSettings, ServedEvaluator
+    from dspark.checkpoint import export_dflash_backbone, load_drafter
+
+    backbone = export_dflash_backbone(load_drafter(result["drafter"], smol_target), tmp_path / "dflash")
+    held = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()][:2]
+    engine = InferenceSettings(target_path=str(smol_target), layer_ids=[], key_prefix="eval", dtype="float32")
+    evaluator = ray.remote(ServedEvaluator).remote(ServedEvalSettings(engine, str(backbone), "dflash", 24))
+    served_ev = ray.get(evaluator.evaluate.remote(held), timeout=600)
+    ray.kill(evaluator)
+    assert served_ev["num_drafts"] == s["vllm"]["drafts"] and served_ev["num_accepted_tokens"] == s["vllm"]["accepted"]
+    assert served_ev["per_position_acceptance"] == pytest.approx(s["vllm"]["per_position_acceptance"])
+    assert sorted(served_ev["per_category"]) == sorted({h["category"] for h in held})
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,14 +133,28 @@ def test_resume_mid_epoch_is_exact(tiny_target, sample_dir, tmp_path):
 
 def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Tell me about item number 3 and why it matters."}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "Tell me about number 12."}]}) + "\n")
+    rows = [{"prompt": "Tell me about item number 3 and why it matters.", "category": "explain"},
+            {"messages": [{"role": "user", "content": "Tell me about number 12."}], "category": "explain"},
+            {"prompt": "Write a haiku about the number 7.", "category": "writing"},
+            {"prompt": "List three prime numbers."}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "r.json"
     rc = evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--prompts", str(prompts),
                         "--max-new-tokens", "24", "--json", str(out)])
     r = json.loads(out.read_text())
-    assert rc == 0 and r["lossless"] is True and r["num_prompts"] == 2
+    assert rc == 0 and r["lossless"] is True and r["num_prompts"] == 4
     for key in ("tau", "per_position_acceptance", "generated_tokens", "target_only_tokens_per_s", "speculative_tokens_per_s"):
         assert key in r
-    assert len(r["per_position_acceptance"]) == 4 and r["tau"] >= 1.0
+    assert len(r["per_position_acceptance"]) == 4
     assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    # Per category, recomputed from the per-request rows: pooled counts, not the mean of τs.
+    req = r["requests"]
+    assert [q["category"] for q in req] == ["explain", "explain", "writing", None]
+    assert sorted(r["per_category"]) == ["explain", "uncategorized", "writing"]
+    for cat, members in (("explain", req[:2]), ("writing", req[2:3]), ("uncategorized", req[3:])):
+        steps, acc = sum(q["steps"] for q in members), sum(q["accepted"] for q in members)
+        assert r["per_category"][cat]["tau"] == pytest.approx((steps + acc) / steps)
+        assert r["per_category"][cat]["num_prompts"] == len(members)
+    assert r["macro_tau"] == pytest.approx(sum(c["tau"] for c in r["per_category"].values()) / 3)
+    assert r["percentiles"]["p50"] == pytest.approx(float(np.percentile([q["tau"] for q in req], 50)))
+    assert all(q["prompt_tokens"] > 0 for q in req)
