@@ -2,7 +2,8 @@
 machine, and check it against the target alone and against our reference decoder:
 
     python benchmarks/serve_dspark_gpu.py --target TARGET --drafter CKPT --prompts FILE.jsonl \
-        [--limit 32] [--max-new-tokens 128] [--tp 1] [--rejection standard|block] [--adaptive] \
+        [--limit 32] [--max-new-tokens 128] [--tp 1] [--dtype auto|float32|bfloat16] \
+        [--rejection standard|block] [--adaptive] \
         [--reference] [--json OUT.json]
 
 Prints, in one run: target-only tokens/s; DSpark tokens/s, speed-up and vLLM's measured τ with
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (float32 to compare τ with the fp32 reference)")
     ap.add_argument("--rejection", default="standard", choices=["standard", "block"])
     ap.add_argument("--adaptive", action="store_true", help="vLLM's confidence-driven verification budget")
     ap.add_argument("--reference", action="store_true", help="also run dspark.evaluate (HF reference decoder)")
@@ -46,7 +48,7 @@ def main() -> int:
         return 2
     convs, prompts = load_prompts(args.target, args.prompts, args.limit)
     k = speculative_tokens(args.drafter)
-    engine = {"tensor_parallel_size": args.tp, "gpu_memory_utilization": 0.4}
+    engine = {"tensor_parallel_size": args.tp, "gpu_memory_utilization": 0.4, "dtype": args.dtype}
 
     base = generate(args.target, prompts, args.max_new_tokens, None, **engine)
     gc.collect()

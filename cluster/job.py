@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from cluster.progress import ProgressReporter, TrainingStats
 from cluster.record import TrainingRecord
 from cluster.trainer_gang import TrainerFailure
 from dspark.recipe import write_recipe
+from dspark.tau_report import UNCATEGORIZED
 
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
@@ -533,10 +535,12 @@ class TrainingJob:
         # nobody has set for a while, and training ended before the evaluation.
         self.reporter.report()
         self.reporter.publish_train(self.stats.last)
-        self.metrics.gauge("heldout_tau", results["tau"])
-        self.metrics.gauge("heldout_macro_tau", results["evaluation"]["macro_tau"])
+        for name, value in (("heldout_tau", results["tau"]), ("heldout_macro_tau", results["evaluation"]["macro_tau"])):
+            if value is not None:
+                self.metrics.gauge(name, value)
         for category, figures in results["evaluation"]["per_category"].items():
-            self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
+            if figures["tau"] is not None:
+                self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
         (self.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
         if results["failed_fraction"] > self.cfg.data.max_failed_fraction:
             u = failed[0]
@@ -548,12 +552,10 @@ class TrainingJob:
 
     def training_summary(self, trained: int) -> dict:
         """What the model card says about the data the drafter learned from."""
-        categories: dict[str, int] = {}
-        for c in self.train_prompts:
-            categories[c.category or "uncategorized"] = categories.get(c.category or "uncategorized", 0) + 1
+        categories = Counter(c.category or UNCATEGORIZED for c in self.train_prompts)
         sampling = self.cfg.sampling
         return {"target": self.cfg.target.name or self.target_path, "prompt_files": list(self.cfg.data.prompts),
-                "train_prompts": len(self.train_prompts), "heldout_prompts": len(self.heldout), "categories": categories,
+                "train_prompts": len(self.train_prompts), "heldout_prompts": len(self.heldout), "categories": dict(categories),
                 "epochs": self.cfg.data.epochs, "trained_samples": trained, "steps": self.stats.step,
                 "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
 
@@ -563,7 +565,7 @@ class TrainingJob:
         decoder in a subprocess on CPU. Per-request rows go to eval.json, figures to result.json."""
         backend = self.cfg.data.eval_backend
         if backend == "auto":
-            backend = "vllm" if self.cfg.device == "cuda" else "reference"
+            backend = "vllm" if self.cfg.device == "cuda" and self.cfg.inference.backend == "vllm" else "reference"
         out = self.run_dir / "eval.json"
         if backend == "vllm":
             out.write_text(json.dumps(self.evaluate_served(drafter), indent=2))

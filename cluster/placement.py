@@ -73,9 +73,11 @@ class Placed:
 
 def replica_bundles(cfg: JobConfig, group_index: int) -> list[dict]:
     """One inference replica's bundles: one per GPU of its tensor-parallel group (spread over
-    `nodes_per_replica` nodes), or one CPU bundle on a CPU-only group."""
+    `nodes_per_replica` nodes), or one CPU bundle on a CPU-only group — and for a replay
+    replica, which replays stored samples and runs no model, so that a GPU job can be
+    exercised with all its GPUs on the trainer side (e.g. one GPU: `scripts/gpu_check.sh`)."""
     g = cfg.topology.groups[group_index]
-    if g.gpus_per_node > 0:
+    if g.gpus_per_node > 0 and cfg.inference.backend == "vllm":
         return [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(cfg.target.tensor_parallel_size)]
     return [{"CPU": g.cpus_per_replica}]
 
@@ -91,8 +93,9 @@ def cluster_request(cfg: JobConfig, shapes: list[tuple[int, int]]) -> list[dict]
 
 def replica_spec(cfg: JobConfig, group_index: int, index: int = 0) -> RoleSpec:
     g, t = cfg.topology.groups[group_index], cfg.target
-    return RoleSpec(g.name, "inference", index, replica_bundles(cfg, group_index), "PACK",
-                    t.nodes_per_replica if g.gpus_per_node else 1, cfg.run_name)
+    bundles = replica_bundles(cfg, group_index)
+    return RoleSpec(g.name, "inference", index, bundles, "PACK",
+                    t.nodes_per_replica if any(b.get("GPU") for b in bundles) else 1, cfg.run_name)
 
 
 def trainer_specs(cfg: JobConfig, layout: dict[str, int] | None = None, generation: int = 0) -> list[RoleSpec]:

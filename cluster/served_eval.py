@@ -67,7 +67,15 @@ class ServedEvaluator:
 
         from dspark.targets import render_prompt
 
-        ids = [render_prompt(self.tokenizer, p["messages"]) for p in prompts]
+        ids, fitting, too_long = [], [], []
+        for p in prompts:  # as a replica does: a prompt that leaves no room to answer is reported, not fatal
+            rendered = render_prompt(self.tokenizer, p["messages"])
+            if len(rendered) + self.s.max_new_tokens > self.engine.max_model_len:
+                too_long.append(p["id"])
+            else:
+                ids.append(rendered)
+                fitting.append(p)
+        prompts = fitting
         outs = self.llm.generate([{"prompt_token_ids": i} for i in ids],
                                  SamplingParams(temperature=0.0, max_tokens=self.s.max_new_tokens), use_tqdm=False)
         rows, requests = [], []
@@ -79,11 +87,11 @@ class ServedEvaluator:
             stats = decode_stats(m.per_step_accepted, m.per_step_drafted)
             rows.append(RequestResult(p["id"], p.get("category"), len(prompt_ids), stats))
             requests.append({"id": p["id"], "category": p.get("category"), "prompt_tokens": len(prompt_ids),
-                             "tau": stats.tau, "steps": stats.steps, "accepted": stats.accepted,
+                             "tau": stats.tau if stats.steps else None, "steps": stats.steps, "accepted": stats.accepted,
                              "generated_tokens": len(out.outputs[0].token_ids),
                              "output_token_ids": list(out.outputs[0].token_ids)})
         return {**summarize(rows), "generated_tokens": sum(r["generated_tokens"] for r in requests),
-                "lossless": None, "backend": "vllm",
+                "lossless": None, "backend": "vllm", "skipped_too_long": too_long,
                 "num_draft_tokens": sum(r.stats.drafted for r in rows),
                 "num_accepted_tokens": sum(r.stats.accepted for r in rows),
                 "settings": {"temperature": 0.0, "max_new_tokens": self.s.max_new_tokens, "method": self.s.method,

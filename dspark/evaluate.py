@@ -28,7 +28,7 @@ from .checkpoint import load_drafter
 from .decoder import SpeculativeDecoder, target_generate
 from .prompts import read_conversations, split
 from .scheduler import StepRateTable
-from .tau_report import RequestResult, format_length_table, format_table, stratified, summarize
+from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
 from .targets import load_target, render_prompt
 
 log = logging.getLogger("dspark.evaluate")
@@ -100,7 +100,10 @@ def evaluate(args: argparse.Namespace) -> dict:
             if not same:
                 log.error("LOSSLESS VIOLATION on %s", c.id)
         rows.append(RequestResult(c.id, c.category, len(ids), stats))
-        requests.append({"id": c.id, "category": c.category, "prompt_tokens": len(ids), "tau": stats.tau,
+        log.info("%d/%d %s (%d prompt tokens): tau %s, %.1f s", len(rows), len(convs), c.id, len(ids),
+                 fmt(stats.tau if stats.steps else None), t2 - t0)
+        requests.append({"id": c.id, "category": c.category, "prompt_tokens": len(ids),
+                         "tau": stats.tau if stats.steps else None,
                          "steps": stats.steps, "accepted": stats.accepted, "generated_tokens": len(out),
                          "identical_to_target": same if greedy else None})
     figures = summarize(rows)
@@ -128,9 +131,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = evaluate(args)
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(result, indent=2))
-    log.info("tau %.3f over %d prompts (%d tokens); lossless=%s; target %.1f tok/s, speculative %.1f tok/s",
-             result["tau"], result["num_prompts"], result["generated_tokens"], result["lossless"],
+    Path(args.json_out).write_text(json.dumps(result, indent=2, allow_nan=False))
+    log.info("tau %s over %d prompts (%d tokens); lossless=%s; target %.1f tok/s, speculative %.1f tok/s",
+             fmt(result["tau"]), result["num_prompts"], result["generated_tokens"], result["lossless"],
              result["target_only_tokens_per_s"], result["speculative_tokens_per_s"])
     print(format_table(result))
     if len(result["by_prompt_length"]) > 1:

@@ -16,17 +16,18 @@ import os
 import shlex
 from pathlib import Path
 
+from .tau_report import fmt
+
 
 def speculative_config(drafter_config: dict, model: str, method: str | None = None) -> dict:
     """vLLM's `--speculative-config` for a checkpoint (its `config.json` as a dict).
 
-    `num_speculative_tokens`: every block slot drafts when `sample_from_anchor` is set (the
-    DSpark convention), else the anchor slot does not. `draft_sample_method`: probabilistic
+    `num_speculative_tokens`: as the checkpoint's proposal method says (every block slot drafts
+    when `sample_from_anchor` is set, the DSpark convention). `draft_sample_method`: probabilistic
     (lossless at any temperature, and what the DSpark paper serves) when the drafter drafts
     over the target's whole vocabulary, greedy when its vocabulary is reduced.
     """
-    block = int(drafter_config["block_size"])
-    k = block if drafter_config.get("sample_from_anchor") else block - 1
+    k = drafter_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]  # what the exporter wrote
     method = method or drafter_config["speculators_model_type"]
     target_vocab = drafter_config["transformer_layer_config"]["vocab_size"]
     reduced = (drafter_config.get("draft_vocab_size") or target_vocab) < target_vocab
@@ -50,7 +51,8 @@ def serve_script(drafter_config: dict) -> str:
    else 'the drafter drafts over the full vocabulary: probabilistic drafting stays lossless at any temperature'}).
 set -euo pipefail
 DRAFTER="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
-TARGET="${{TARGET:-{verifier(drafter_config)}}}"
+TARGET="${{TARGET:-}}"
+[ -n "$TARGET" ] || TARGET={shlex.quote(verifier(drafter_config))}
 exec vllm serve "$TARGET" --speculative-config '{spec_json}' "$@"
 """
 
@@ -58,13 +60,21 @@ exec vllm serve "$TARGET" --speculative-config '{spec_json}' "$@"
 def model_card(drafter_config: dict, training: dict, evaluation: dict) -> str:
     """`README.md` for the exported drafter. `training`: target, prompt files, category counts,
     epochs, samples and steps; `evaluation`: `dspark.evaluate`'s summary."""
-    spec = speculative_config(drafter_config, "./")
+    spec = speculative_config(drafter_config, "THIS_DIRECTORY")
     s = evaluation.get("settings", {})
-    rows = "\n".join(f"| {cat} | {c['num_prompts']} | {c['tau']:.3f} | "
+    rows = "\n".join(f"| {cat} | {c['num_prompts']} | {fmt(c['tau'])} | "
                      f"{' '.join(f'{a:.2f}' for a in c['per_position_acceptance'])} |"
                      for cat, c in evaluation.get("per_category", {}).items())
     p = evaluation.get("percentiles", {})
     cats = ", ".join(f"{k} {v}" for k, v in sorted(training.get("categories", {}).items()))
+    if evaluation.get("backend") == "vllm":
+        how = (f"by vLLM serving the target with this drafter (`method: {s.get('method')}`), each request's "
+               "verification steps read from vLLM's per-request speculative-decoding metrics")
+        lossless = ""
+    else:
+        how = "with `dspark.evaluate` (the reference speculative decoder against the target in transformers)"
+        lossless = (" Lossless (speculative output identical to the target's greedy output, token for token): "
+                    f"{evaluation.get('lossless')}.")
     return f"""# DSpark drafter for {verifier(drafter_config)}
 
 A {drafter_config['transformer_layer_config']['num_hidden_layers']}-layer DSpark draft model (block size
@@ -79,26 +89,25 @@ Trained by dspark-cluster.
 - Held out from training: {training.get('heldout_prompts')} prompts (split by a hash of the prompt id)
 
 ## Acceptance on the held-out prompts
-Measured with `dspark.evaluate` (the reference speculative decoder against the target in
-transformers, {s.get('dtype')}, temperature {s.get('temperature')}, {s.get('num_speculative_tokens')} draft
+Measured {how} ({s.get('dtype')}, temperature {s.get('temperature')}, {s.get('num_speculative_tokens')} draft
 tokens per step, up to {s.get('max_new_tokens')} new tokens, {evaluation.get('num_prompts')} prompts taken round-robin
 over categories). τ = tokens emitted per target verification step, bonus token included (vLLM's
-acceptance length). Lossless (speculative output identical to the target's greedy output): {evaluation.get('lossless')}.
+acceptance length).{lossless}
 
 | category | prompts | τ | acceptance per position |
 |---|---|---|---|
 {rows}
 
-Macro τ over categories: {evaluation.get('macro_tau', float('nan')):.3f}; pooled τ: {evaluation.get('tau', float('nan')):.3f}.
-Per-request τ: p10 {p.get('p10', float('nan')):.3f}, p50 {p.get('p50', float('nan')):.3f}, p90 {p.get('p90', float('nan')):.3f};
-the worst 10% of requests average {p.get('bottom10_mean', float('nan')):.3f}, the best 10% {p.get('top10_mean', float('nan')):.3f}.
+Macro τ over categories: {fmt(evaluation.get('macro_tau'))}; pooled τ: {fmt(evaluation.get('tau'))}.
+Per-request τ: p10 {fmt(p.get('p10'))}, p50 {fmt(p.get('p50'))}, p90 {fmt(p.get('p90'))};
+the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {fmt(p.get('top10_mean'))}.
 
 ## Serving
 `./serve.sh` (beside this file) runs:
 
     vllm serve {verifier(drafter_config)} --speculative-config {shlex.quote(json.dumps(spec))}
 
-with `model` set to this directory. `draft_sample_method` is `{spec['draft_sample_method']}`: probabilistic drafting
+with `model` set to this directory's absolute path. `draft_sample_method` is `{spec['draft_sample_method']}`: probabilistic drafting
 needs the drafter's probabilities over the target's whole vocabulary; with a reduced draft vocabulary only greedy
 drafting is valid.
 """

@@ -5,7 +5,9 @@ One global τ hides what users see: a drafter that is excellent at code and usel
 translation averages to "fine", and the mean over requests hides the tail a user is stuck in.
 Every figure here is computed from per-request decode counts (`DecodeStats`), pooled the way
 vLLM pools its counters: τ of a set of requests = (accepted + steps) / steps over the set, not
-the mean of the requests' τ. The spread is over per-request τ.
+the mean of the requests' τ. The spread is over per-request τ. A request that ended before any
+verification step (an immediate end of sequence) has no τ: it counts in `num_prompts` but not in
+any τ; a figure over no verification step at all is None (JSON null, never NaN).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .decoder import DecodeStats
 
 UNCATEGORIZED = "uncategorized"
 # Prompt-length bins (tokens, lower edges) for the long-context table.
-DEFAULT_LENGTH_EDGES = (0, 512, 1024, 2048, 4096, 6144)
+DEFAULT_LENGTH_EDGES = (0, 512, 1536, 3072, 5120)  # ~1K, ~2K, ~4K, ~7K land in separate bins
 
 
 @dataclass
@@ -28,10 +30,10 @@ class RequestResult:
     stats: DecodeStats
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's default)."""
     if not values:
-        return math.nan
+        return None
     xs = sorted(values)
     pos = (len(xs) - 1) * q / 100.0
     lo = math.floor(pos)
@@ -43,8 +45,8 @@ def pooled(rows: list[RequestResult]) -> dict:
     total = DecodeStats()
     for r in rows:
         total.merge(r.stats)
-    return {"tau": total.tau, "per_position_acceptance": total.per_position_acceptance, "num_prompts": len(rows),
-            "num_drafts": total.steps}
+    return {"tau": total.tau if total.steps else None, "per_position_acceptance": total.per_position_acceptance,
+            "num_prompts": len(rows), "num_drafts": total.steps}
 
 
 def spread(taus: list[float]) -> dict:
@@ -52,7 +54,7 @@ def spread(taus: list[float]) -> dict:
     requests (at least one request each): what the unlucky and the lucky users get."""
     xs = sorted(taus)
     tenth = max(1, math.ceil(len(xs) / 10)) if xs else 0
-    mean = lambda v: sum(v) / len(v) if v else math.nan  # noqa: E731
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
     return {"p10": percentile(xs, 10), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
             "bottom10_mean": mean(xs[:tenth]), "top10_mean": mean(xs[-tenth:] if tenth else []), "num_requests": len(xs)}
 
@@ -79,10 +81,11 @@ def by_prompt_length(rows: list[RequestResult], edges=DEFAULT_LENGTH_EDGES) -> l
 def summarize(rows: list[RequestResult], length_edges=DEFAULT_LENGTH_EDGES) -> dict:
     """The figures `dspark.evaluate --json` and the job's `result.json` carry."""
     cats = by_category(rows)
+    taus = [c["tau"] for c in cats.values() if c["tau"] is not None]
     return {
         **pooled(rows),
         "per_category": cats,
-        "macro_tau": sum(c["tau"] for c in cats.values()) / len(cats) if cats else math.nan,
+        "macro_tau": sum(taus) / len(taus) if taus else None,
         "percentiles": spread([r.stats.tau for r in rows if r.stats.steps]),
         "by_prompt_length": by_prompt_length(rows, length_edges),
     }
@@ -105,17 +108,21 @@ def stratified(items: list, key, limit: int | None) -> list:
     return out
 
 
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def format_table(summary: dict) -> str:
     """The lines the job and `dspark.evaluate` print."""
     lines = [f"{'category':<16} {'prompts':>7} {'tau':>6}  per-position acceptance"]
     for cat, c in summary["per_category"].items():
         pp = " ".join(f"{a:.2f}" for a in c["per_position_acceptance"])
-        lines.append(f"{cat:<16} {c['num_prompts']:>7} {c['tau']:>6.3f}  {pp}")
+        lines.append(f"{cat:<16} {c['num_prompts']:>7} {fmt(c['tau']):>6}  {pp}")
     p = summary["percentiles"]
-    lines.append(f"macro tau {summary['macro_tau']:.3f} over {len(summary['per_category'])} categories; "
-                 f"pooled tau {summary['tau']:.3f} over {summary['num_prompts']} requests")
-    lines.append(f"per-request tau p10 {p['p10']:.3f}  p50 {p['p50']:.3f}  p90 {p['p90']:.3f}  "
-                 f"worst 10% {p['bottom10_mean']:.3f}  best 10% {p['top10_mean']:.3f}")
+    lines.append(f"macro tau {fmt(summary['macro_tau'])} over {len(summary['per_category'])} categories; "
+                 f"pooled tau {fmt(summary['tau'])} over {summary['num_prompts']} requests")
+    lines.append(f"per-request tau p10 {fmt(p['p10'])}  p50 {fmt(p['p50'])}  p90 {fmt(p['p90'])}  "
+                 f"worst 10% {fmt(p['bottom10_mean'])}  best 10% {fmt(p['top10_mean'])}")
     return "\n".join(lines)
 
 
@@ -123,5 +130,5 @@ def format_length_table(bins: list[dict]) -> str:
     lines = [f"{'prompt tokens':<15} {'prompts':>7} {'tau':>6}"]
     for b in bins:
         span = f"{b['min_tokens']}-{b['max_tokens'] - 1}" if b["max_tokens"] else f">={b['min_tokens']}"
-        lines.append(f"{span:<15} {b['num_prompts']:>7} {b['tau']:>6.3f}")
+        lines.append(f"{span:<15} {b['num_prompts']:>7} {fmt(b['tau']):>6}")
     return "\n".join(lines)

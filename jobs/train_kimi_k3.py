@@ -79,7 +79,7 @@ def main() -> int:
 
     from cluster.control import Stop
     from cluster.job import TrainingJob
-    from dspark.tau_report import format_table
+    from dspark.tau_report import fmt, format_table
 
     ray.init(log_to_driver=True)
     job = TrainingJob(cfg)
@@ -102,7 +102,7 @@ def main() -> int:
         print(f"\njob failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     ev = result["evaluation"]
-    print(f"\nheld-out tau = {ev['tau']:.3f} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
+    print(f"\nheld-out tau = {fmt(ev['tau'])} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
           f"lossless={ev['lossless']}; per-position acceptance "
           + " ".join(f"{a:.2f}" for a in ev["per_position_acceptance"]))
     print(format_table(ev))

@@ -1,6 +1,7 @@
 """Generate the long-context evaluation set, `data/prompts/long_context.jsonl`.
 
-Long prompts from our own long documents: this project's source modules and its README, cut
+Long prompts from our own long documents: this project's source modules, and its README
+followed by its commented configs, cut
 to a ladder of lengths (in the target's tokens) up to near the local target's context limit,
 each with a task that needs the whole document (explain a module, summarise a document, answer
 about its end). Never trained on (the job reads `data.prompts`, not this file), no public
@@ -50,8 +51,10 @@ def cut(text: str, tokenizer, n_tokens: int) -> str:
 
 def build(tokenizer) -> list[dict]:
     code = "\n\n".join(f"# file: {f}\n{(ROOT / f).read_text()}" for f in CODE)
-    doc = (ROOT / "README.md").read_text()
-    doc = doc + "\n\n" + doc  # the README alone is shorter than the longest rung
+    # The README alone is shorter than the longest rung: the commented configs follow it (no
+    # text repeats, which a drafter could copy).
+    doc = "\n\n".join([(ROOT / "README.md").read_text()]
+                       + [f"# {f.name}\n{f.read_text()}" for f in sorted((ROOT / "configs").glob("*.yaml"))])
     rows = []
     for i, n in enumerate(LENGTHS):
         for j, (cat, source, tasks) in enumerate((("long_code", code, TASKS_CODE), ("long_doc", doc, TASKS_DOC))):

@@ -55,6 +55,19 @@ def test_single_node_split_counts_gpus_per_node():
     check_topology(two, fake_nodes(2, 8))
 
 
+def test_replay_replicas_take_no_gpu():
+    """A replay replica runs no model: on a GPU job it takes a CPU bundle, so one GPU holds the
+    trainer (what scripts/gpu_check.sh runs); a vLLM replica of the same job needs its own GPU."""
+    gpu_job = ["device=cuda", "topology.groups.0.gpus_per_node=1"]
+    vllm = load_config(ROOT / "configs" / "local.yaml", gpu_job)
+    with pytest.raises(PlacementError, match="missing 1 node"):
+        check_topology(vllm, fake_nodes(1, 1))
+    replay = load_config(ROOT / "configs" / "local.yaml", [*gpu_job, "inference.backend=replay", "inference.replay_dir=/samples"])
+    check_topology(replay, fake_nodes(1, 1))
+    replica, trainer = role_specs(replay)
+    assert replica.bundles == [{"CPU": 1.0}] and trainer.bundles == [{"GPU": 1.0, "CPU": 1.0}]
+
+
 def fake_nodes(n, gpus, cpus=64):
     return [{"Alive": True, "Resources": {"GPU": gpus, "CPU": cpus}} for _ in range(n)]
 

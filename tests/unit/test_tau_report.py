@@ -11,7 +11,7 @@ import pytest
 
 from dspark.decoder import DecodeStats
 from dspark.prompts import read_conversations
-from dspark.tau_report import RequestResult, by_prompt_length, percentile, spread, stratified, summarize
+from dspark.tau_report import RequestResult, by_prompt_length, format_table, percentile, spread, stratified, summarize
 
 
 def request(rid, category, prompt_tokens, steps):
@@ -102,3 +102,17 @@ def test_category_read_from_prompt_files(tmp_path):
     ]))
     convs, _ = read_conversations(f)
     assert [c.category for c in convs] == ["math", None, None]
+
+
+def test_no_verification_step_gives_none_never_nan():
+    """A request that ended at once has no τ; figures over nothing are null in JSON, not NaN."""
+    empty = request("e", "chat", 5, [])
+    s = summarize([empty, request("m", "math", 5, [(4, 2)])])
+    assert s["per_category"]["chat"]["tau"] is None and s["per_category"]["chat"]["num_prompts"] == 1
+    assert s["macro_tau"] == pytest.approx(3.0)  # math alone: the empty category does not count as 0
+    assert s["percentiles"]["num_requests"] == 1
+    nothing = summarize([empty])
+    assert nothing["tau"] is None and nothing["macro_tau"] is None and nothing["percentiles"]["p50"] is None
+    json.dumps(nothing, allow_nan=False)
+    assert summarize([])["macro_tau"] is None
+    format_table(nothing)  # prints "-" where there is no figure
