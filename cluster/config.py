@@ -35,7 +35,7 @@ class TargetConfig:
     num_aux_layers: int = 5
     tensor_parallel_size: int = 1
     nodes_per_replica: int = 1
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
     max_model_len: int = 2048
     kv_cache_dtype: str = "auto"  # fp8 on clusters
     enforce_eager: bool = False
@@ -154,6 +154,7 @@ class TrainerConfig:
     # bf16-mixed: bf16 autocast over fp32 weights, gradients and optimizer state (as offline
     # training); bf16: DeepSpeed's bf16 mode (bf16 weights and gradients, fp32 master copy in
     # the optimizer; half the weight memory); fp32.
+    # auto: bf16-mixed on GPUs and on CPUs with native bf16, fp32 on other CPUs.
     precision: str = "bf16-mixed"
     batch_tokens: int = 16384
     lr: float = 6e-4
@@ -266,7 +267,8 @@ CHOICES = {
     "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
     "transport.protocol": ("tcp", "rdma"),
     "transport.segment_host": ("node", "master"),
-    "trainer.precision": ("bf16-mixed", "bf16", "fp32"),
+    "trainer.precision": ("auto", "bf16-mixed", "bf16", "fp32"),
+    "target.dtype": ("auto", "bfloat16", "float16", "float32"),
     "trainer.resume": ("auto", "never", "always"),
     "trainer.release_samples": ("at_commit", "after_step"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
@@ -317,6 +319,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config error at `{where}`: {first}") from None
     validate(cfg)
+    return resolve_auto_dtypes(cfg)
+
+
+def resolve_auto_dtypes(cfg: JobConfig, cpu=None) -> JobConfig:
+    """`target.dtype: auto` and `trainer.precision: auto`: bf16 on GPUs and on CPUs that compute
+    in bf16 natively, fp32 on other CPUs (where bf16 is emulated and slower than fp32). Read on
+    the driver, which on a CPU job is the machine the job runs on. `cpu`: a `CpuInfo` (tests)."""
+    if "auto" not in (cfg.target.dtype, cfg.trainer.precision):
+        return cfg
+    from cluster.hardware import read_cpu
+
+    bf16 = cfg.device == "cuda" or (cpu or read_cpu()).native_bf16
+    if cfg.target.dtype == "auto":
+        cfg.target.dtype = "bfloat16" if bf16 else "float32"
+    if cfg.trainer.precision == "auto":
+        cfg.trainer.precision = "bf16-mixed" if bf16 else "fp32"
     return cfg
 
 

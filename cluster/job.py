@@ -84,6 +84,7 @@ class TrainingJob:
         import ray
 
         self.cfg, self.ray = cfg, ray
+        self.started = time.monotonic()  # result.json's wall clock
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -541,6 +542,11 @@ class TrainingJob:
         for category, figures in results["evaluation"]["per_category"].items():
             if figures["tau"] is not None:
                 self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
+        from cluster.hardware import read_cpu
+
+        results["machine"] = {"cpu": read_cpu().to_dict(), "device": self.cfg.device, "target_dtype": self.cfg.target.dtype,
+                              "trainer_precision": self.cfg.trainer.precision}
+        results["wall_clock_s"] = time.monotonic() - self.started  # the job, from its config to this file
         (self.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
         if results["failed_fraction"] > self.cfg.data.max_failed_fraction:
             u = failed[0]

@@ -110,6 +110,9 @@ def main() -> int:
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
           f"({proof['crossed']} by another group's rank); record: {proof['record']}")
     print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
+    cpu = result["machine"]["cpu"]
+    print(f"wall clock {result['wall_clock_s'] / 60:.1f} min on {cpu['model']} ({cpu['cores']} cores, native bf16: "
+          f"{cpu['native_bf16']}); target {result['machine']['target_dtype']}, trainer {result['machine']['trainer_precision']}")
     print(f"results: {result['run_dir']}/result.json")
     return 0
 

@@ -1,0 +1,50 @@
+"""What the machine has, for choices that depend on it: whether the CPU computes in bf16
+natively, its model name for the record of a run.
+
+bf16 is not faster everywhere: on CPUs without native bf16 (no `avx512_bf16`, no AMX) a bf16
+matmul the size of SmolLM2's LM head took 42 ms against 27 ms in fp32, and plain vLLM
+generation ran at half the fp32 speed (ENVIRONMENT.md). So `auto` dtypes pick bf16 only where
+the CPU has it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# x86: AVX-512 BF16 or AMX tiles; aarch64: the BF16 extension (`bf16` in /proc/cpuinfo).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    cores: int
+    flags: frozenset[str]
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool(self.flags & NATIVE_BF16_FLAGS)
+
+    def to_dict(self) -> dict:
+        shown = sorted(f for f in self.flags if f.startswith(("avx", "amx")) or f in NATIVE_BF16_FLAGS)
+        return {"model": self.model, "cores": self.cores, "native_bf16": self.native_bf16, "flags": shown}
+
+
+def read_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
+    """The first processor's model and flags (`Features` on aarch64); empty where unreadable."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and model in ("", platform.machine()):
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return CpuInfo(model, os.cpu_count() or 1, frozenset(flags))

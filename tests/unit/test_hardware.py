@@ -1,0 +1,52 @@
+"""dtypes chosen from the CPU's flags: bf16 only where the CPU computes in it natively."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, load_config, resolve_auto_dtypes
+from cluster.hardware import CpuInfo, read_cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+XEON_NO_BF16 = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n" \
+               "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+EPYC_BF16 = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+GRAVITON = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize("text, model, native", [(XEON_NO_BF16, "Intel(R) Xeon(R) CPU @ 2.60GHz", False),
+                                                 (EPYC_BF16, "AMD EPYC 9654", True), (GRAVITON, None, True)])
+def test_read_cpu(tmp_path, text, model, native):
+    f = tmp_path / "cpuinfo"
+    f.write_text(text)
+    cpu = read_cpu(f)
+    assert cpu.native_bf16 is native
+    if model:
+        assert cpu.model == model
+    assert ("avx512_bf16" in cpu.to_dict()["flags"]) is ("avx512_bf16" in text)
+
+
+def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path):
+    assert read_cpu(tmp_path / "missing").native_bf16 is False
+
+
+@pytest.mark.parametrize("native, device, dtype, precision", [
+    (False, "cpu", "float32", "fp32"), (True, "cpu", "bfloat16", "bf16-mixed"), (False, "cuda", "bfloat16", "bf16-mixed")])
+def test_auto_dtypes(native, device, dtype, precision):
+    cfg = load_config(ROOT / "configs" / "local.yaml", [f"device={device}", "topology.groups.0.gpus_per_node=1"]
+                      if device == "cuda" else [])
+    cfg.target.dtype, cfg.trainer.precision = "auto", "auto"  # what local.yaml says before resolution
+    cpu = CpuInfo("test", 2, frozenset({"avx512_bf16"} if native else {"avx2"}))
+    resolve_auto_dtypes(cfg, cpu)
+    assert (cfg.target.dtype, cfg.trainer.precision) == (dtype, precision)
+
+
+def test_explicit_dtypes_are_kept_and_checked():
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["target.dtype=bfloat16", "trainer.precision=fp32"])
+    assert (cfg.target.dtype, cfg.trainer.precision) == ("bfloat16", "fp32")
+    with pytest.raises(ConfigError, match="target.dtype"):
+        load_config(ROOT / "configs" / "local.yaml", ["target.dtype=bf16"])
+    auto = load_config(ROOT / "configs" / "local.yaml")  # resolved on this machine, never left "auto"
+    assert auto.target.dtype in ("bfloat16", "float32") and auto.trainer.precision in ("bf16-mixed", "fp32")
