@@ -129,8 +129,7 @@ class TrainingJob:
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
         (self.run_dir / "heldout.jsonl").write_text(
-            "".join(json.dumps({"id": c.id, "category": c.category, "messages": c.prompt_messages}) + "\n"
-                    for c in self.heldout))
+            "".join(json.dumps(c.prompt_record()) + "\n" for c in self.heldout))
         if self.cfg.logging.wandb_mode != "disabled":
             import wandb
 
@@ -599,7 +598,7 @@ class TrainingJob:
 
             drafter = str(export_dflash_backbone(load_drafter(drafter, self.target_path), self.run_dir / "final-dflash"))
         held = stratified(self.heldout, lambda c: c.category, self.cfg.data.eval_limit)
-        prompts = [{"id": c.id, "category": c.category, "messages": c.prompt_messages} for c in held]
+        prompts = [c.prompt_record() for c in held]
         settings = ServedEvalSettings(self.inference_settings("eval"), drafter, method, self.cfg.data.eval_max_new_tokens)
         placed = next(p for p in self.placed if p.spec.role == "inference")
         actor = self.ray.remote(ServedEvaluator).options(

@@ -32,6 +32,10 @@ class Conversation:
         assistant turn (earlier assistant turns stay, as written)."""
         return self.messages[:-1] if self.messages[-1]["role"] == "assistant" else self.messages
 
+    def prompt_record(self) -> dict:
+        """What an evaluation reads back (a JSONL line, or a request): id, category, prompt messages."""
+        return {"id": self.id, "category": self.category, "messages": self.prompt_messages}
+
 
 @dataclass
 class ReadReport:

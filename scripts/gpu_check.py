@@ -55,8 +55,7 @@ def heldout_file(work: Path) -> Path:
     convs, _ = read_conversations(ROOT / "data" / "prompts" / "default.jsonl")
     _, held = split(convs, 0.1, 0)
     out = work / "heldout.jsonl"
-    out.write_text("".join(json.dumps({"id": c.id, "category": c.category, "messages": c.prompt_messages}) + "\n"
-                           for c in held))
+    out.write_text("".join(json.dumps(c.prompt_record()) + "\n" for c in held))
     return out
 
 
