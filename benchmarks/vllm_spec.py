@@ -16,7 +16,7 @@ def load_prompts(target: str, prompts_file: str, limit: int) -> tuple[list, list
     from transformers import AutoTokenizer
 
     from dspark.prompts import read_conversations
-    from dspark.targets import render_prompt
+    from dspark.chat import render_prompt
 
     convs, _ = read_conversations(prompts_file)
     convs = convs[:limit]

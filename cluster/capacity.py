@@ -49,16 +49,17 @@ def nodes_used(gpu_chunks: list[float], per_node: int) -> int:
 
 def target_config(cfg: JobConfig):
     """The target's (text) config: from `target.path` if it is here, else `target.plan_config`."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
     from cluster.config import LOCAL_TARGET
+    from cluster.target import read_config
 
     if cfg.target.path == LOCAL_TARGET:
         from dspark.targets import prepare_smollm2
 
-        tc = AutoConfig.from_pretrained(prepare_smollm2())
+        tc = read_config(str(prepare_smollm2()), cfg.target.trust_remote_code)
     elif (Path(cfg.target.path) / "config.json").exists():
-        tc = AutoConfig.from_pretrained(cfg.target.path)
+        tc = read_config(cfg.target.path, cfg.target.trust_remote_code)
     elif cfg.target.plan_config:
         d = json.loads(Path(cfg.target.plan_config).read_text())
         tc = PretrainedConfig(**(d.get("text_config") or d))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -31,6 +32,15 @@ class TargetConfig:
     # drafter's config.json and serving recipe: a shared checkpoint must not name a local path.
     # None: the path.
     name: str | None = None
+    # Run the modeling/config/tokenizer code shipped in the target's directory (targets whose
+    # architecture transformers or vLLM do not know). Off unless asked for: it executes that code
+    # in every process that reads the target.
+    trust_remote_code: bool = False
+    # The chat template the answers are rendered with, everywhere (regeneration, evaluation, the
+    # serving recipe; recorded in the exported drafter): a Jinja file, None: the tokenizer's own;
+    # and options passed to it, e.g. {enable_thinking: false}.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     aux_layer_ids: list[int] | None = None  # speculators indexing; None: evenly spaced
     num_aux_layers: int = 5
     tensor_parallel_size: int = 1

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from cluster.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
 CONNECTOR = "MooncakeHiddenStatesConnector"
 SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
@@ -46,6 +47,8 @@ class InferenceSettings:
     top_p: float = 1.0
     max_tokens: int = 256
     extract: bool = True  # False: a plain engine (reference generations in tests)
+    trust_remote_code: bool = False  # target.trust_remote_code
+    chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
     flush_timeout_s: float = 60.0
 
 
@@ -64,7 +67,7 @@ def engine_kwargs(s: InferenceSettings) -> dict:
     kwargs = dict(
         model=s.target_path, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
         enforce_eager=s.enforce_eager, tensor_parallel_size=s.tensor_parallel_size, kv_cache_dtype=s.kv_cache_dtype,
-        seed=0,
+        seed=0, trust_remote_code=s.trust_remote_code,
     )
     if s.device == "cuda":
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization)
@@ -131,7 +134,7 @@ class InferenceActor(Producer):
     def process(self, prompts: list[dict]) -> list[Produced]:
         """Regenerate and extract a batch: `prompts` are {"id", "messages", optional "key"} dicts
         (the ledger names keys so that a regenerated sample never aliases an old one)."""
-        from dspark.targets import render_prompt_with_spans
+        from dspark.chat import render_prompt_with_spans
 
         s = self.settings
         t0 = time.perf_counter()
@@ -139,7 +142,7 @@ class InferenceActor(Producer):
         keys = {p["id"]: p.get("key") or f"{s.key_prefix}/{p['id']}" for p in prompts}
         for p in prompts:
             try:
-                ids, spans = render_prompt_with_spans(self.tokenizer, p["messages"])
+                ids, spans = render_prompt_with_spans(self.tokenizer, p["messages"], s.chat)
                 if len(ids) >= s.max_model_len - 1:
                     raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={s.max_model_len}")
                 ready.append((p["id"], ids, spans))

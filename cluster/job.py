@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cluster.checkpoints import CheckpointDir
-from cluster.config import LOCAL_TARGET, ROOT, JobConfig, check_against_target, group_watermarks, to_yaml
+from cluster.config import ROOT, JobConfig, group_watermarks, to_yaml
 from cluster.control import ControlChannel, ResizeTrainer
 from cluster.ledger import SampleLedger
 from cluster.metrics import Metrics
@@ -39,17 +39,6 @@ from dspark.tau_report import UNCATEGORIZED
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
 LEDGER_TIMEOUT_S = 60.0  # one call on the ledger actor (it answers in milliseconds)
-
-
-def resolve_target(cfg: JobConfig) -> str:
-    if cfg.target.path == LOCAL_TARGET:
-        from dspark.targets import prepare_smollm2
-
-        return str(prepare_smollm2())
-    path = Path(cfg.target.path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"target.path={cfg.target.path}: no HF checkpoint (config.json) there")
-    return str(path)
 
 
 def load_prompts(cfg: JobConfig):
@@ -110,14 +99,11 @@ class TrainingJob:
 
     # ---- set-up ----------------------------------------------------------------------------
     def prepare(self) -> None:
-        from transformers import AutoConfig
-
+        from cluster.target import read_target
         from dspark.config import default_aux_layer_ids
 
-        self.target_path = resolve_target(self.cfg)
-        tcfg = AutoConfig.from_pretrained(self.target_path)
-        tcfg = getattr(tcfg, "text_config", None) or tcfg
-        check_against_target(self.cfg, tcfg)
+        self.target = read_target(self.cfg)
+        self.target_path, tcfg = self.target.path, self.target.config
         self.aux_layer_ids = list(self.cfg.target.aux_layer_ids or default_aux_layer_ids(tcfg.num_hidden_layers, self.cfg.target.num_aux_layers))
         self.layer_ids = [*self.aux_layer_ids, tcfg.num_hidden_layers]
         # The largest sample the target can produce: what the ledger assumes until it has measured
@@ -206,12 +192,13 @@ class TrainingJob:
             max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs, kv_cache_dtype=t.kv_cache_dtype,
             enforce_eager=t.enforce_eager, gpu_memory_utilization=t.gpu_memory_utilization,
             cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-            max_tokens=c.sampling.max_tokens)
+            max_tokens=c.sampling.max_tokens, trust_remote_code=t.trust_remote_code, chat=self.target.chat)
 
     def trainer_settings(self):
         from cluster.trainer import TrainerSettings
 
-        return TrainerSettings(target_path=self.target_path, drafter=self.cfg.drafter, trainer=self.cfg.trainer,
+        return TrainerSettings(target_path=self.target_path, trust_remote_code=self.cfg.target.trust_remote_code,
+                               chat=self.target.chat, drafter=self.cfg.drafter, trainer=self.cfg.trainer,
                                store=self.services.store_config(), device=self.cfg.device, total_steps=self.total_steps,
                                aux_layer_ids=self.aux_layer_ids, extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR"))
 

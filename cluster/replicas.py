@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from cluster.errors import cause_of
 from cluster.placement import Placed, RoleSpec, place
 from cluster.services import StoreServices
 
@@ -109,8 +110,7 @@ class ReplicaPool:
                     continue  # it finished normally (stopped)
                 except Exception as e:  # noqa: BLE001 - any failure of the replica
                     error = e
-                cause = self.hung.pop(rid, None) or (str(error).strip().splitlines()[-1][:500] if str(error).strip()
-                                                     else type(error).__name__)
+                cause = self.hung.pop(rid, None) or cause_of(error, 500)
                 returned = self.ray.get(self.ledger.replica_died.remote(rid, cause), timeout=30)
                 del self.replicas[rid]
                 self.ray.kill(rep.actor, no_restart=True)

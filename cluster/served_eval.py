@@ -65,11 +65,11 @@ class ServedEvaluator:
         """`prompts`: {"id", "category", "messages"}; the figures `dspark.evaluate` reports, from vLLM."""
         from vllm import SamplingParams
 
-        from dspark.targets import render_prompt
+        from dspark.chat import render_prompt
 
         ids, fitting, too_long = [], [], []
         for p in prompts:  # as a replica does: a prompt that leaves no room to answer is reported, not fatal
-            rendered = render_prompt(self.tokenizer, p["messages"])
+            rendered = render_prompt(self.tokenizer, p["messages"], self.engine.chat)
             if len(rendered) + self.s.max_new_tokens > self.engine.max_model_len:
                 too_long.append(p["id"])
             else:

@@ -21,6 +21,7 @@ import threading
 import time
 
 from cluster.config import TransportConfig
+from cluster.errors import cause_of
 from cluster.process import free_port
 from cluster.store import StoreConfig
 
@@ -135,7 +136,7 @@ class StoreServices:
         return self._generation
 
     def _replace(self, what: str, error: Exception) -> None:
-        cause = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+        cause = cause_of(error, 300)
         if self.replaced >= self.t.max_service_restarts:
             raise ServiceFailure(f"{what} died; {self.replaced} store service actors were replaced already "
                                  f"(transport.max_service_restarts={self.t.max_service_restarts}): {cause}")

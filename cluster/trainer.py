@@ -23,6 +23,7 @@ import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
 from cluster.store import StoreConfig
+from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
 
 @dataclass
@@ -37,6 +38,8 @@ class TrainerSettings:
     total_steps: int = 1000
     aux_layer_ids: list[int] | None = None
     extensions_dir: str | None = None
+    trust_remote_code: bool = False  # target.trust_remote_code
+    chat: ChatFormat = TOKENIZER_DEFAULT  # recorded in the exported drafter
 
 
 def load_checkpoints_without_code() -> None:
@@ -110,7 +113,7 @@ class TrainerRank:
 
         samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
         cfg = self._config({})
-        tok = AutoTokenizer.from_pretrained(self.s.target_path)
+        tok = AutoTokenizer.from_pretrained(self.s.target_path, trust_remote_code=self.s.trust_remote_code)
         pairs = [(s.token_ids, s.loss_mask) for s in samples] * 4
         for text in prompt_texts:
             ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -133,10 +136,14 @@ class TrainerRank:
 
         if "config" in model_init:
             return DSparkConfig.from_speculators_dict(model_init["config"])
+        from transformers import AutoTokenizer
+
         d = self.s.drafter
         dspark = d.mode == "dspark"
+        tok = AutoTokenizer.from_pretrained(self.s.target_path, trust_remote_code=self.s.trust_remote_code)
         return DSparkConfig.from_target(
-            self.s.target_path, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
+            self.s.target_path, trust_remote_code=self.s.trust_remote_code, chat_format=self.s.chat.record(tok),
+            mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
             markov_rank=d.markov_rank if dspark else 0, markov_head_type=d.markov_head_type,
             enable_confidence_head=d.enable_confidence_head if dspark else False,
             draft_vocab_size=d.draft_vocab_size, aux_layer_ids=self.s.aux_layer_ids,

@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+from cluster.errors import cause_of
 from cluster.placement import Placed
 from cluster.trainer import TrainerRank, TrainerSettings
 
@@ -44,10 +45,9 @@ class TrainerGang:
             raise TrainerFailure(f"trainer ranks did not finish {what} within {self.timeout:.0f}s "
                                  f"(trainer.call_timeout_s)") from None
         except self.ray.exceptions.RayActorError as e:
-            raise TrainerFailure(f"a trainer rank died during {what}: {str(e).strip().splitlines()[-1][:400]}") from None
+            raise TrainerFailure(f"a trainer rank died during {what}: {cause_of(e)}") from None
         except self.ray.exceptions.RayTaskError as e:
-            cause = str(e.cause if getattr(e, "cause", None) is not None else e).strip().splitlines()
-            raise TrainerFailure(f"a trainer rank failed during {what}: {cause[-1][:400] if cause else type(e).__name__}") from None
+            raise TrainerFailure(f"a trainer rank failed during {what}: {cause_of(e)}") from None
 
     def call(self, method: str, *args, what: str | None = None) -> list:
         """`method(*args)` on every rank, in rank order."""

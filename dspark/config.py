@@ -66,6 +66,23 @@ def resolve_mask_token_id(tokenizer) -> int:
     raise ValueError("tokenizer has no mask, spare special or unk token; set drafter.mask_token_id")
 
 
+def drafter_attention_shape(tcfg) -> tuple[int, int, int]:
+    """(heads, KV heads, head dim) of the drafter's Qwen3-style attention for a target config.
+
+    The target's own shape where it has standard attention. Multi-head latent attention
+    (DeepSeek-V3, Kimi K2/K3: the config has `kv_lora_rank`) has no such shape: its query/key
+    heads are `qk_nope_head_dim + qk_rope_head_dim` wide and transformers reports `head_dim` as
+    the rope part alone (64), which is not a width any drafter layer should have. The drafter
+    takes the per-head width of the values and outputs, `v_head_dim` (128 for those targets), with
+    one KV head per query head, as the peers' drafters for Kimi targets do.
+    """
+    heads = tcfg.num_attention_heads
+    if getattr(tcfg, "kv_lora_rank", None):
+        return heads, heads, int(getattr(tcfg, "v_head_dim", None) or tcfg.hidden_size // heads)
+    kv_heads = getattr(tcfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads, int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads)
+
+
 class DSparkConfig(PretrainedConfig):
     """Architecture of a DSpark (or DFlash) drafter for one target model.
 
@@ -100,6 +117,9 @@ class DSparkConfig(PretrainedConfig):
         target_vocab_size: int = 49152,
         target_num_layers: int = 30,
         target_norm_unit_offset: bool = False,
+        target_logit_softcap: float | None = None,
+        target_trust_remote_code: bool = False,
+        chat_format: dict[str, Any] | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
         sliding_window_non_causal: bool = True,
@@ -156,6 +176,12 @@ class DSparkConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.target_num_layers = target_num_layers
         self.target_norm_unit_offset = target_norm_unit_offset
+        # Gemma 2 style targets cap their logits (cap·tanh(z/cap)); the trainer's target
+        # distribution must be the served one.
+        self.target_logit_softcap = target_logit_softcap
+        self.target_trust_remote_code = target_trust_remote_code
+        # `dspark.chat.ChatFormat.record()` of the template the answers were rendered with.
+        self.chat_format = dict(chat_format) if chat_format else None
         if layer_types is not None and len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         if layer_types and any(t not in ("full_attention", "sliding_attention") for t in layer_types):
@@ -194,40 +220,49 @@ class DSparkConfig(PretrainedConfig):
 
     # ---- construction from a target ------------------------------------------------------
     @classmethod
-    def from_target(cls, target: str | Path | PretrainedConfig, **settings: Any) -> "DSparkConfig":
-        """Drafter config for a target checkpoint dir (or its config) plus drafter settings."""
+    def from_target(cls, target: str | Path | PretrainedConfig, trust_remote_code: bool = False,
+                    **settings: Any) -> "DSparkConfig":
+        """Drafter config for a target checkpoint dir (or its config) plus drafter settings.
+
+        `trust_remote_code` is for targets whose config class ships in their directory; it is
+        recorded, so that everything that reads the target later does the same.
+        """
         if isinstance(target, PretrainedConfig):
             tcfg, path = target, getattr(target, "_name_or_path", None)
         else:
             from transformers import AutoConfig
 
             path = str(target)
-            tcfg = AutoConfig.from_pretrained(path)
+            tcfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         tcfg = getattr(tcfg, "text_config", None) or tcfg
         rope = getattr(tcfg, "rope_parameters", None) or {}
         rope_theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
         if "mask_token_id" not in settings and path and Path(path).is_dir():
             from transformers import AutoTokenizer
 
-            settings["mask_token_id"] = resolve_mask_token_id(AutoTokenizer.from_pretrained(path))
+            settings["mask_token_id"] = resolve_mask_token_id(
+                AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
         num_layers = settings.pop("num_layers", 1)
         aux_count = settings.pop("num_aux_layers", 5)
         if not settings.get("aux_layer_ids"):
             settings["aux_layer_ids"] = default_aux_layer_ids(tcfg.num_hidden_layers, aux_count)
+        heads, kv_heads, head_dim = drafter_attention_shape(tcfg)
         return cls(
             num_layers=num_layers,
             hidden_size=tcfg.hidden_size,
             intermediate_size=settings.pop("intermediate_size", None) or getattr(tcfg, "intermediate_size", None)
             or 3 * tcfg.hidden_size,
-            num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=getattr(tcfg, "max_position_embeddings", 8192),
             target_vocab_size=tcfg.vocab_size,
             target_num_layers=tcfg.num_hidden_layers,
             target_norm_unit_offset=tcfg.model_type in UNIT_OFFSET_NORM_MODEL_TYPES,
+            target_logit_softcap=getattr(tcfg, "final_logit_softcapping", None),
+            target_trust_remote_code=trust_remote_code,
             verifier_name_or_path=path,
             verifier_architectures=list(getattr(tcfg, "architectures", None) or []),
             **settings,
@@ -295,6 +330,9 @@ class DSparkConfig(PretrainedConfig):
                 "format": FORMAT_VERSION,
                 "target_num_layers": self.target_num_layers,
                 "target_norm_unit_offset": self.target_norm_unit_offset,
+                "target_logit_softcap": self.target_logit_softcap,
+                "target_trust_remote_code": self.target_trust_remote_code,
+                "chat_format": self.chat_format,
             },
         }
         if self.mode == "dspark":
@@ -340,6 +378,9 @@ class DSparkConfig(PretrainedConfig):
             target_vocab_size=tl["vocab_size"],
             target_num_layers=ours.get("target_num_layers", max(d["aux_hidden_state_layer_ids"])),
             target_norm_unit_offset=ours.get("target_norm_unit_offset", False),
+            target_logit_softcap=ours.get("target_logit_softcap"),
+            target_trust_remote_code=ours.get("target_trust_remote_code", False),
+            chat_format=ours.get("chat_format"),
             layer_types=tl.get("layer_types"),
             sliding_window=tl.get("sliding_window"),
             sliding_window_non_causal=d.get("sliding_window_non_causal", False),

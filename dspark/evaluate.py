@@ -29,7 +29,8 @@ from .decoder import SpeculativeDecoder, target_generate
 from .prompts import read_conversations, split
 from .scheduler import StepRateTable
 from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
-from .targets import load_target, render_prompt
+from .chat import ChatFormat, render_prompt
+from .targets import load_target
 
 log = logging.getLogger("dspark.evaluate")
 
@@ -68,8 +69,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     convs = stratified(convs, lambda c: c.category, args.limit)
     if not convs:
         raise SystemExit("no prompts to evaluate")
-    model, tok = load_target(args.target, dtype)
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
+    # The target read and the conversations rendered as the drafter's training data were: its
+    # checkpoint records both (a drafter judged on another chat template is judged on data it
+    # never saw).
+    model, tok = load_target(args.target, dtype, trust_remote_code=drafter.config.target_trust_remote_code)
+    chat = ChatFormat.from_record(drafter.config.chat_format)
     rates = None
     if args.step_rates:
         raw = json.loads(Path(args.step_rates).read_text())
@@ -86,7 +91,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     n_target = n_spec = 0
     gen = torch.Generator().manual_seed(args.seed)
     for c in convs:
-        ids = render_prompt(tok, c.prompt_messages)
+        ids = render_prompt(tok, c.prompt_messages, chat)
         t0 = time.perf_counter()
         ref = target_generate(model, ids, args.max_new_tokens, stop, args.temperature, gen)
         t1 = time.perf_counter()

@@ -14,7 +14,8 @@ import torch
 
 from .prompts import Conversation
 from .samples import Sample, write_sample
-from .targets import hidden_states_for, load_target, render_with_loss_mask
+from .chat import render_with_loss_mask
+from .targets import hidden_states_for, load_target
 
 
 def sample_filename(conv_id: str) -> str:

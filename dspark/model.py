@@ -178,30 +178,52 @@ class DSparkDrafter(nn.Module):
         self.refresh_draft_head()
 
     @torch.no_grad()
-    def init_from_target_layers(self, target_dir: str | Path) -> list[int]:
+    def init_from_target_layers(self, target_dir: str | Path) -> dict:
         """Warm start: draft layer j takes the weights of target layer L-n+j (the last n), the
         context projection starts as the identity on the deepest aux layer, and the final norm
-        is the target's. Useful when data is scarce (small local runs); the target must share
-        the draft's layer geometry (it does: the draft copies the target's attention shape).
+        is the target's. Useful when data is scarce (small local runs).
+
+        Only what the target's layers hold in the drafter's own form is copied, by the names the
+        families use: attention q/k/v/o and Qwen3's q/k norms, a dense gated MLP, the two norms
+        (Gemma's pre-MLP norm is `pre_feedforward_layernorm`; its `post_attention_layernorm`
+        normalises the attention output instead). Gemma-style norms scale by (1 + w) and are
+        converted to the drafter's w. What a family has in another form — multi-head latent
+        attention, expert MLPs — keeps its initialisation and is listed under `skipped`.
         """
         t = find_layer_tensors(target_dir)
         n, big_l = len(self.layers), self.config.target_num_layers
         src = list(range(big_l - n, big_l))
-        for layer, i in zip(self.layers, src):
+        offset = 1.0 if self.config.target_norm_unit_offset else 0.0
+        copied, skipped = [], []
+
+        def take(dst: torch.Tensor, w: dict, names: tuple[str, ...], label: str, norm: bool = False) -> None:
+            found = next((w[k] for k in names if k in w and w[k].shape == dst.shape), None)
+            if found is None:
+                skipped.append(label)
+                return
+            dst.copy_(found + offset if norm else found)
+            copied.append(label)
+
+        for j, (layer, i) in enumerate(zip(self.layers, src)):
             w = t[i]
-            a = layer.self_attn
+            attn = layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(a, name).weight.copy_(w[f"self_attn.{name}.weight"])
+                take(getattr(attn, name).weight, w, (f"self_attn.{name}.weight",), f"{j}.self_attn.{name}")
+            for name in ("q_norm", "k_norm"):
+                if hasattr(attn, name):
+                    take(getattr(attn, name).weight, w, (f"self_attn.{name}.weight",), f"{j}.self_attn.{name}", norm=True)
             for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(layer.mlp, name).weight.copy_(w[f"mlp.{name}.weight"])
-            layer.input_layernorm.weight.copy_(w["input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm.weight"])
+                take(getattr(layer.mlp, name).weight, w, (f"mlp.{name}.weight",), f"{j}.mlp.{name}")
+            take(layer.input_layernorm.weight, w, ("input_layernorm.weight",), f"{j}.input_layernorm", norm=True)
+            pre_mlp = ("pre_feedforward_layernorm.weight",) if "pre_feedforward_layernorm.weight" in w \
+                else ("post_attention_layernorm.weight",)
+            take(layer.post_attention_layernorm.weight, w, pre_mlp, f"{j}.post_attention_layernorm", norm=True)
         h = self.config.hidden_size
         deepest = max(range(len(self.config.aux_layer_ids)), key=lambda k: self.config.aux_layer_ids[k])
         self.fc.weight.zero_()
         self.fc.weight[:, deepest * h : (deepest + 1) * h].copy_(torch.eye(h))
-        self.hidden_norm.weight.copy_(t[src[0]]["input_layernorm.weight"])
-        return src
+        take(self.hidden_norm.weight, t[src[0]], ("input_layernorm.weight",), "hidden_norm", norm=True)
+        return {"source_layers": src, "copied": copied, "skipped": skipped}
 
     @torch.no_grad()
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -230,8 +252,10 @@ class DSparkDrafter(nn.Module):
     def verifier_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The frozen target's logits, in float32 even under autocast: they are the label."""
         w = self.verifier_lm_head.weight
+        cap = self.config.target_logit_softcap
         with torch.autocast(last_hidden.device.type, enabled=False):
-            return self.verifier_norm(last_hidden.float()) @ w.float().t()
+            logits = self.verifier_norm(last_hidden.float()) @ w.float().t()
+            return cap * torch.tanh(logits / cap) if cap else logits
 
     def backbone(self, block_ids, block_pos, anchor_pos, ctx_kv, ctx_pos, ctx_mask) -> torch.Tensor:
         """Normed hidden states `[N, γ, H]` of blocks over precomputed context K/V per layer."""

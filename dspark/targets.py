@@ -1,5 +1,6 @@
-"""The target model as transformers sees it: the local SmolLM2 conversion, chat rendering with
-an assistant-only loss mask, and hidden-state capture in speculators' layer indexing.
+"""The target model as transformers sees it: the local SmolLM2 conversion, loading (remote code
+only when asked for), and hidden-state capture in speculators' layer indexing. How
+conversations are rendered for it is `dspark.chat`.
 
 Layer id i means the output of decoder layer i-1 (the input of layer i), as vLLM's
 `eagle_aux_hidden_state_layer_ids` and speculators count; id L (the number of layers) is the
@@ -77,12 +78,23 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     return out_dir
 
 
-def load_target(target_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_target(target_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                trust_remote_code: bool = False):
+    """The target and its tokenizer. `trust_remote_code` runs the modeling code shipped in the
+    checkpoint directory: only when the job's config asks for it (`target.trust_remote_code`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
-    return model, tok
+    tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tok
+
+
+def load_target_config(target: str | Path, trust_remote_code: bool = False):
+    """The target's text config (a multimodal target's language model), as every part reads it."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    return getattr(cfg, "text_config", None) or cfg
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -118,63 +130,3 @@ def hidden_states_for(model, token_ids: torch.Tensor, layer_ids: list[int]) -> t
     with capture_hidden_states(model, layer_ids) as cap:
         model.model(input_ids=token_ids.to(dev)[None], use_cache=False)
     return torch.stack([cap[i][0] for i in layer_ids], dim=1)
-
-
-# ---- chat rendering --------------------------------------------------------------------------
-
-
-def _render(tok, messages, add_generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def render_prompt(tok, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation up to the point where the assistant answers next."""
-    text = _render(tok, messages, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def render_with_loss_mask(tok, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Token ids of a whole conversation and a mask that is True exactly on assistant tokens.
-
-    Spans come from the chat template itself: the text the template adds for assistant turn i
-    is the difference between rendering turns [0, i] and turns [0, i) with a generation
-    prompt. A span runs through the end-of-turn token (the target must learn to stop) and
-    excludes what the template appends after it (e.g. a newline).
-    """
-    text = _render(tok, messages, add_generation_prompt=False)
-    spans = []
-    eos = tok.eos_token or ""
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = _render(tok, messages[:i], add_generation_prompt=True)
-        full = _render(tok, messages[: i + 1], add_generation_prompt=False)
-        if not (full.startswith(head) and text.startswith(full)):
-            raise ValueError("chat template is not prefix-stable; cannot derive the assistant loss mask")
-        end = len(full)
-        cut = full.find(eos, len(head)) if eos else -1
-        if cut >= 0:
-            end = cut + len(eos)
-        spans.append((len(head), end))
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(a <= s and e <= b and e > s for a, b in spans) for s, e in enc["offset_mapping"]]
-    return list(enc["input_ids"]), mask
-
-
-def render_prompt_with_spans(tok, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Prompt ids (with the generation prompt) and the [start, end) token spans of the
-    assistant turns already inside it; the answer generated next is all assistant tokens."""
-    ids = render_prompt(tok, messages)
-    spans: list[tuple[int, int]] = []
-    if any(m["role"] == "assistant" for m in messages):
-        full, mask = render_with_loss_mask(tok, messages)
-        if ids[: len(full)] != full[: len(ids)]:
-            raise ValueError("chat template renders the prompt differently with a generation prompt")
-        start = None
-        for i, m in enumerate(mask + [False]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                spans.append((start, i))
-                start = None
-    return ids, spans

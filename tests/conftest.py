@@ -36,6 +36,8 @@ def tiny_target(smol_target, tmp_path_factory) -> Path:
     """A small random Llama with SmolLM2's tokenizer and chat template: fast, deterministic."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.families import copy_tokenizer
+
     out = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(1234)
     cfg = LlamaConfig(
@@ -47,9 +49,7 @@ def tiny_target(smol_target, tmp_path_factory) -> Path:
     with torch.no_grad():  # a peaked, repetitive target: drafters can learn it in a few steps
         model.model.embed_tokens.weight.mul_(8.0)
     model.save_pretrained(out)
-    for f in smol_target.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(smol_target, out)
     return out
 
 

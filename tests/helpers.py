@@ -10,6 +10,14 @@ from dspark.samples import PackedBatch
 from dspark.vocab import build_vocab_mapping
 
 
+# ChatML with an optional system line chosen by an option, as thinking switches are.
+PERSONA_TEMPLATE = (
+    "{% if persona is defined and persona %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def make_drafter(target_dir, seed: int = 0, **settings) -> DSparkDrafter:
     settings.setdefault("num_layers", 2)
     settings.setdefault("block_size", 4)
@@ -39,6 +47,32 @@ def random_batch(cfg: DSparkConfig, lengths=(40, 27), prompt_len: int = 8, seed:
     aux = torch.randn(t, len(cfg.aux_layer_ids) * h, generator=g)
     last = torch.randn(t, h, generator=g)
     return PackedBatch(ids, pos, doc, mask, aux, last)
+
+
+def reference_outputs(sm, batch, anchors, monkeypatch):
+    """speculators' own forward pieces (backbone, Markov head, confidence head) at our anchors."""
+    import speculators.models.dflash.core as spec_core
+    from speculators.models.attention import create_float_mask
+
+    monkeypatch.setattr(spec_core, "select_anchors", lambda lm, n, g: (anchors, torch.ones(n, dtype=torch.bool)))
+    sm.config.transformer_layer_config._attn_implementation = "eager"
+    sm._create_mask_fn = create_float_mask
+    n, g = anchors.numel(), sm.block_size
+    with torch.no_grad():
+        hidden, logits, targets, _, idx = sm._backbone_forward(
+            batch.aux_hidden[None], batch.input_ids[None], batch.loss_mask[None].long(), batch.last_hidden[None],
+            batch.doc_ids[None], batch.position_ids[None], max_anchors=n,
+        )
+        hidden, logits = hidden.view(n, g, -1), logits.view(n, g, -1)
+        conf = None
+        if getattr(sm, "markov_head", None) is not None:
+            block = batch.input_ids[idx].view(n, g)
+            prev = block if sm.config.sample_from_anchor else torch.cat([block[:, :1], block[:, :-1]], 1)
+            emb = sm.markov_head.prev_embeddings(prev)
+            logits = logits + sm.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
+            if sm.confidence_head is not None:
+                conf = sm.confidence_head(torch.cat([hidden, emb], -1))
+    return hidden, logits, targets.view(n, g, -1), conf
 
 
 def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float = 600.0, second_timeout_s: float = 900.0):

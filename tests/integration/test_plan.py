@@ -25,6 +25,22 @@ def plan(nodes: str, config: str = "kimi_k3.yaml") -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+def dspark_parameters(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, draft_vocab, aux, markov_rank):
+    """The drafter's parameter count in closed form (DESIGN.md section 1), to check the plan's
+    count of the model built on the meta device. Per layer: q/o (hidden x heads·head_dim), k/v
+    (hidden x kv_heads·head_dim; the context goes through the same projections), q/k norms, a
+    gated MLP, two norms. Then the context projection (aux·hidden -> hidden) and its norm, the
+    final norm, the Markov head (target vocab x r embedding, r -> draft vocab), the confidence head
+    (hidden + r weights and a bias). Frozen: the target's embedding, LM head and final norm, and a
+    draft head only when the draft vocabulary is reduced."""
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim
+    layer = attn + 3 * hidden * mlp + 2 * hidden
+    trainable = (layers * layer + aux * hidden * hidden + 2 * hidden + vocab * markov_rank
+                 + markov_rank * draft_vocab + hidden + markov_rank + 1)
+    frozen = 2 * vocab * hidden + hidden + (draft_vocab * hidden if draft_vocab < vocab else 0)
+    return trainable, frozen
+
+
 def placement_rows(out: str) -> dict[str, list[tuple[str, str, int]]]:
     by_role = defaultdict(list)
     for line in out.splitlines():
@@ -56,7 +72,10 @@ def test_production_placement_on_simulated_cluster():
     # one world; a group's replica puts 17,000 tok/s x 86,016 B = 1.46 GB/s into the store.
     text = out.stdout
     assert "6 x 7168 x 2 B (bfloat16) = 86,016 B per token" in text
-    assert "3,325,129,217 trainable parameters" in text and "ZeRO-2 over 16 ranks" in text
+    trainable, frozen = dspark_parameters(hidden=7168, layers=5, heads=56, kv_heads=56, head_dim=128, mlp=18432,
+                                          vocab=163840, draft_vocab=163840, aux=5, markov_rank=256)
+    assert f"{trainable:,} trainable parameters" in text and f"{frozen:,} frozen" in text, text[:3000]
+    assert "ZeRO-2 over 16 ranks" in text
     assert text.count("= 17,000 tok/s = 1.46 GB/s into the store") == 4
     assert "one step: 16 ranks x 32,768 tokens = 524,288 tokens = 45.1 GB of hidden states read" in text
     assert text.count("what it may hold is 4.3 steps of data") == 4  # 44.8 GiB / (4 x 32,768 x 86,016 B)

@@ -76,3 +76,17 @@ def test_bad_input_prompts_file_names_the_line(tmp_path):
     empty.write_text("not json\n")
     with pytest.raises(ValueError, match=r"no training prompts in data\.prompts=.*empty\.jsonl"):
         load_prompts(load_config(LOCAL, [f"data.prompts=[{empty}]"]))
+
+
+def test_a_failure_is_named_by_its_own_last_line():
+    from cluster.errors import cause_of
+
+    traceback = "Traceback (most recent call last):\n  File \"x.py\", line 3\nValueError: prompt p7 is too long\n\n"
+    assert cause_of(RuntimeError(traceback)) == "ValueError: prompt p7 is too long"
+    assert cause_of(RuntimeError("  \n ")) == "RuntimeError"  # no text: the type (the old code raised IndexError)
+
+    class RemoteFailure(Exception):  # what Ray's RayTaskError carries: the actor's own exception
+        cause = KeyError("sample g0/p3 missing")
+
+    assert cause_of(RemoteFailure("ray's traceback text")) == "'sample g0/p3 missing'"
+    assert len(cause_of(RuntimeError("x" * 1000), 300)) == 300

