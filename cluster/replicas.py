@@ -38,6 +38,7 @@ class ProducerSpec:
     actor_class: type
     settings: object
     prompt_batch: int
+    env: dict | None = None  # environment of the producer's process (CPU engines: threads, preloaded libraries)
 
 
 @dataclass
@@ -48,14 +49,16 @@ class Replica:
     owned: bool  # its placement group was made by the pool (the autoscaler's), not the job's
 
 
-def engine_actor_options(placed: Placed, tensor_parallel_size: int) -> dict:
+def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | None = None) -> dict:
     """Ray options for an actor that runs a vLLM engine in a replica's placement group: on its
     first bundle (node order); with TP > 1 the engine's own Ray workers take the GPUs, in the
-    bundle order vLLM is told (node by node)."""
+    bundle order vLLM is told (node by node). `env`: more of the actor's environment."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = placed.spec.bundles[0]
-    env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, placed.order))} if bundle.get("GPU") else {}
+    env = dict(env or {})
+    if bundle.get("GPU"):
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
     return {"num_cpus": bundle.get("CPU", 1), "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0]),
             "runtime_env": {"env_vars": env} if env else None}
@@ -91,7 +94,7 @@ class ReplicaPool:
             settings = replace(self.spec.settings, store=self.services.store_config())
             actor = self.ray.remote(self.spec.actor_class).options(
                 max_concurrency=2, name=f"{self.run_name}-{rid}",
-                **engine_actor_options(placed, getattr(settings, "tensor_parallel_size", 1)),
+                **engine_actor_options(placed, getattr(settings, "tensor_parallel_size", 1), self.spec.env),
             ).remote(settings, rid, self.group)
             self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned)
             return rid

@@ -191,6 +191,7 @@ class TrainerRank:
             model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
             seed=t.seed + 1000 * self.rank,
             autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
+            cache_normalizers=True,  # a sample's later epochs then skip the full-vocabulary target head
         )
         if self.store is None:
             self.connect_store()
@@ -239,7 +240,7 @@ class TrainerRank:
         if samples and not bad:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
             dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
-            self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype)
+            self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype, keys=[r.key for r in refs])
             self.batch_rows = rows
         return bad
 

@@ -52,6 +52,67 @@ class TargetSession:
             self.length = length
 
 
+class TargetBatch:
+    """Several sequences on one transformers KV cache, fed side by side.
+
+    Every call appends the same number of cache columns to every row (shorter rows are padded);
+    a column a row does not keep (its padding, a rejected draft) stays in the cache, masked out
+    of all later attention, and positions are given per row, so rows of different lengths never
+    need cropping to different lengths. Rows are dropped (`select`) when their sequence ends.
+    """
+
+    PAD_ID = 0  # what padding columns hold: never attended to
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.layer_ids = model, layer_ids
+        self.cache = DynamicCache()
+        self.device = next(model.parameters()).device
+        self.mask: torch.Tensor | None = None  # [rows, columns] bool: columns each row attends to
+        self.lengths: torch.Tensor | None = None  # [rows] tokens each row holds
+        self.width = 0  # columns appended by the last `run`
+
+    @torch.no_grad()
+    def run(self, rows: list[list[int]], logits_at: list[int] | None = None):
+        """Append each row's tokens; return logits `[rows, W, V]` (fp32; with `logits_at`, only
+        each row's logits at that index, `[rows, V]`) and hidden states `[rows, W, layers, H]`."""
+        n, w = len(rows), max(len(r) for r in rows)
+        ids = torch.full((n, w), self.PAD_ID, dtype=torch.long)
+        valid = torch.zeros(n, w, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            valid[i, : len(r)] = True
+        base = self.lengths if self.lengths is not None else torch.zeros(n, dtype=torch.long)
+        pos = base[:, None] + torch.arange(w)
+        mask = valid if self.mask is None else torch.cat([self.mask, valid], 1)
+        kwargs = {}
+        if logits_at is not None:  # only the columns asked for: a prefill's full logits are large
+            kwargs["logits_to_keep"] = torch.tensor(sorted(set(logits_at)), device=self.device)
+        with capture_hidden_states(self.model, self.layer_ids) as cap:
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.long().to(self.device),
+                             position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True, **kwargs)
+        hidden = torch.stack([cap[i] for i in self.layer_ids], dim=2)
+        logits = out.logits.float()
+        if logits_at is not None:
+            col = {c: j for j, c in enumerate(sorted(set(logits_at)))}
+            logits = logits[torch.arange(n), torch.tensor([col[c] for c in logits_at])]
+        self.mask, self.lengths, self.width = mask, base + valid.sum(1), w
+        return logits, hidden
+
+    def keep(self, counts: list[int]) -> None:
+        """Of the last call's columns, row i keeps its first `counts[i]`."""
+        c = self.mask.shape[1]
+        for i, k in enumerate(counts):
+            self.mask[i, c - self.width + k:] = False
+        self.lengths = self.mask.sum(1)
+
+    def select(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(idx.to(self.device))
+        self.mask, self.lengths = self.mask[idx], self.lengths[idx]
+
+
 @dataclass
 class DecodeStats:
     steps: int = 0  # target verification steps
@@ -95,6 +156,12 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
     if temperature <= 0:
         return int(logits.argmax())
     return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+
+
+def _done(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    """A sequence ends at its budget or at the first stop token it emits (as vLLM ends a
+    request), even when that token was an accepted draft in the middle of a block."""
+    return len(tokens) >= max_new_tokens or not stop_ids.isdisjoint(tokens)
 
 
 def _finish(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
@@ -156,7 +223,7 @@ class SpeculativeDecoder:
         ctx.extend(self._aux(hidden))
         out = [_pick(logits[-1], self.temperature, self.generator)]
         sampled_drafts = self.draft_sample_method == "probabilistic" and self.temperature > 0
-        while len(out) < max_new_tokens and out[-1] not in stop:
+        while not _done(out, max_new_tokens, stop):
             anchor = out[-1]
             budget = min(self.k, max_new_tokens - len(out) - 1)
             prop = self.drafter.propose(
@@ -183,6 +250,80 @@ class SpeculativeDecoder:
             stats.record(drafts.numel(), n)
             out += [*drafts[:n].tolist(), nxt]
         return _finish(out, max_new_tokens, stop), stats
+
+    @torch.no_grad()
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(),
+                      max_batch_tokens: int = 4096, max_batch_rows: int = 16) -> list[tuple[list[int], DecodeStats]]:
+        """`generate` for several prompts. Greedy decoding runs them in batches of similar
+        length (at most `max_batch_rows` rows and `max_batch_tokens` padded prompt tokens, which
+        bounds the prefill's memory): one drafter pass and one target forward per step for the
+        whole batch. Sampling decodes one prompt at a time."""
+        if self.temperature > 0:
+            return [self.generate(p, max_new_tokens, stop_ids) for p in prompts]
+        results: list = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        chunk: list[int] = []
+        for i in order + [None]:
+            # sorted by length: the newest prompt is the longest, and sets the padded width
+            if chunk and (i is None or len(chunk) == max_batch_rows or (len(chunk) + 1) * len(prompts[i]) > max_batch_tokens):
+                for j, r in zip(chunk, self._generate_batch([prompts[j] for j in chunk], max_new_tokens, set(stop_ids))):
+                    results[j] = r
+                chunk = []
+            if i is not None:
+                chunk.append(i)
+        return results
+
+    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int, stop: set[int]):
+        n = len(prompts)
+        stats = [DecodeStats() for _ in prompts]
+        outs: list[list[int]] = [[] for _ in prompts]
+        ctxs = [ContextCache(self.drafter) for _ in prompts]
+        batch = TargetBatch(self.target, self.drafter.config.extract_layer_ids)
+        logits, hidden = batch.run([list(p) for p in prompts], logits_at=[len(p) - 1 for p in prompts])
+        for i, p in enumerate(prompts):
+            ctxs[i].extend(self._aux(hidden[i, : len(p)]))
+            outs[i].append(int(logits[i].argmax()))
+        active = list(range(n))
+        while True:
+            still = [j for j, i in enumerate(active) if not _done(outs[i], max_new_tokens, stop)]
+            if len(still) < len(active):
+                active = [active[j] for j in still]
+                if not active:
+                    break
+                batch.select(still)
+            budgets = [min(self.k, max_new_tokens - len(outs[i]) - 1) for i in active]
+            props = self.drafter.propose_batch([ctxs[i] for i in active], [outs[i][-1] for i in active], budgets)
+            drafts = [p.tokens for p in props]
+            if self.step_rates is not None:
+                # Algorithm 1 over the whole batch: the verification budget goes where survival is highest.
+                rows = [j for j, d in enumerate(drafts) if d.numel()]
+                for j, keep in zip(rows, schedule_prefixes([props[j].confidence for j in rows], self.step_rates)):
+                    drafts[j] = drafts[j][:keep]
+            logits, hidden = batch.run([[outs[i][-1], *d.tolist()] for i, d in zip(active, drafts)])
+            kept = []
+            for j, (i, d) in enumerate(zip(active, drafts)):
+                m, nxt = verify_greedy(d, logits[j, : d.numel() + 1])
+                ctxs[i].extend(self._aux(hidden[j, : m + 1]))
+                stats[i].record(d.numel(), m)
+                outs[i] += [*d[:m].tolist(), nxt]
+                kept.append(m + 1)
+            batch.keep(kept)
+        return [(_finish(o, max_new_tokens, stop), st) for o, st in zip(outs, stats)]
+
+
+@torch.no_grad()
+def greedy_mismatches(model, prompt_ids: list[int], output: list[int]) -> list[int]:
+    """Positions of `output` where the token is not the target's argmax given everything before
+    it: one teacher-forced forward over prompt + output instead of a second greedy decode. An
+    output with none is what greedy decoding produces (up to exact ties), so this checks
+    losslessness. The last token may be a stop token or the budget's end; both are checked."""
+    if not output:
+        return []
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[*prompt_ids, *output[:-1]]], dtype=torch.long, device=dev)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(output)).logits[0]
+    best = logits.float().argmax(-1).tolist()
+    return [j for j, (a, b) in enumerate(zip(output, best)) if a != b]
 
 
 def timed(fn, *args, **kwargs):

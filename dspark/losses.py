@@ -44,12 +44,18 @@ def target_draft_ids(target_ids: torch.Tensor, t2d: torch.Tensor | None) -> torc
     return torch.where(t2d[target_ids], index[target_ids], torch.full_like(target_ids, -1))
 
 
-def target_probs_on_draft_vocab(target_logits: torch.Tensor, d2t_ids: torch.Tensor | None):
+def target_probs_on_draft_vocab(target_logits: torch.Tensor, d2t_ids: torch.Tensor | None,
+                                log_norm: torch.Tensor | None = None):
     """Target probabilities of the draft-vocab tokens and the mass outside the draft vocab.
 
-    Normalised over the full target vocab, but only the draft columns are exponentiated.
+    Normalised over the full target vocab, but only the draft columns are exponentiated. With
+    `log_norm` (the full vocabulary's logsumexp per row), `target_logits` holds the draft
+    columns only.
     """
     t = target_logits.float()
+    if log_norm is not None:
+        p = torch.exp(t - log_norm.float()[..., None])
+        return p, (1.0 - p.sum(-1)).clamp(min=0.0)
     lse = torch.logsumexp(t, dim=-1, keepdim=True)
     if d2t_ids is None:
         return torch.exp(t - lse), torch.zeros(t.shape[:-1], device=t.device)
@@ -87,7 +93,7 @@ def drafter_loss(
     logq = F.log_softmax(out.logits.float(), dim=-1)
     q = logq.exp()
     with torch.no_grad():
-        p_draft_vocab, outside = target_probs_on_draft_vocab(out.target_logits, d2t_ids)
+        p_draft_vocab, outside = target_probs_on_draft_vocab(out.target_logits, d2t_ids, out.target_log_norm)
         if out.target_index is not None:  # per distinct position → per slot (draft-vocab width only)
             p_draft_vocab, outside = p_draft_vocab[out.target_index], outside[out.target_index]
     l1 = (q - p_draft_vocab).abs().sum(-1) + outside  # [N, γ]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.profiler import record_function
 
 from .anchors import sample_anchors
 from .config import DSparkConfig
@@ -34,14 +35,20 @@ FROZEN_TARGET_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_l
 class BlockOutputs:
     logits: torch.Tensor  # [N, γ, V_draft], Markov bias included
     confidence_logits: torch.Tensor | None  # [N, γ]
-    target_logits: torch.Tensor  # [U, V_target], the frozen target's prediction at U distinct positions
+    # [U, V_target]: the frozen target's logits at U distinct positions; with `target_log_norm`,
+    # only the draft vocabulary's columns [U, V_draft] (the normaliser stands for the rest).
+    target_logits: torch.Tensor
     target_ids: torch.Tensor  # [N, γ] ground-truth next tokens (target vocab)
     valid: torch.Tensor  # [N, γ] bool: slot predicts a loss-masked token
     hidden: torch.Tensor  # [N, γ, H]
     target_index: torch.Tensor | None = None  # [N, γ] row of `target_logits` for each slot
+    target_log_norm: torch.Tensor | None = None  # [U] logsumexp of the target's full-vocabulary logits
+    target_positions: torch.Tensor | None = None  # [U] packed positions of the rows
 
     def slot_target_logits(self) -> torch.Tensor:
         """[N, γ, V_target]; materialises the per-slot copy (tests and small batches only)."""
+        if self.target_log_norm is not None:
+            raise ValueError("only the draft vocabulary's target logits were computed")
         return self.target_logits if self.target_index is None else self.target_logits[self.target_index]
 
 
@@ -249,13 +256,32 @@ class DSparkDrafter(nn.Module):
     def context_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
-    def verifier_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The frozen target's logits, in float32 even under autocast: they are the label."""
-        w = self.verifier_lm_head.weight
+    def verifier_logits(self, last_hidden: torch.Tensor, draft_columns: bool = False) -> torch.Tensor:
+        """The frozen target's logits, in float32 even under autocast: they are the label.
+        `draft_columns`: only the draft vocabulary's (the draft head holds the target head's rows)."""
+        w = self.lm_head.weight if draft_columns else self.verifier_lm_head.weight
         cap = self.config.target_logit_softcap
         with torch.autocast(last_hidden.device.type, enabled=False):
             logits = self.verifier_norm(last_hidden.float()) @ w.float().t()
             return cap * torch.tanh(logits / cap) if cap else logits
+
+    def target_logits_at(self, last_hidden: torch.Tensor, known_log_norm: torch.Tensor | None):
+        """The target's logits at these rows, and their log-normalisers. Without `known_log_norm`
+        (or with the full vocabulary as draft vocabulary): all logits, no normaliser. With it
+        (NaN where unknown): the draft vocabulary's columns and every row's normaliser; the
+        full-vocabulary product, the most expensive one in a step, runs only for unknown rows."""
+        if known_log_norm is None or not self.use_draft_vocab:
+            return self.verifier_logits(last_hidden), None
+        unknown = torch.isnan(known_log_norm)
+        norm = known_log_norm.clone()
+        out = last_hidden.new_empty((last_hidden.shape[0], self.config.draft_vocab_size), dtype=torch.float32)
+        if bool(unknown.any()):
+            full = self.verifier_logits(last_hidden[unknown])
+            norm[unknown] = torch.logsumexp(full, -1)
+            out[unknown] = full[:, self.draft_to_target_ids()]
+        if not bool(unknown.all()):
+            out[~unknown] = self.verifier_logits(last_hidden[~unknown], draft_columns=True)
+        return out, norm
 
     def backbone(self, block_ids, block_pos, anchor_pos, ctx_kv, ctx_pos, ctx_mask) -> torch.Tensor:
         """Normed hidden states `[N, γ, H]` of blocks over precomputed context K/V per layer."""
@@ -301,18 +327,20 @@ class DSparkDrafter(nn.Module):
             valid[:, 0] = False
         prev_idx = torch.maximum(tgt_c - 1, anchors[:, None])
         prev_ids = batch.input_ids[prev_idx]
-        with torch.no_grad():
+        with torch.no_grad(), record_function("dspark.target_logits"):
             # Overlapping blocks share target positions: the full-vocab target head (the most
             # expensive product here) runs once per distinct position, not once per slot.
             positions, target_index = torch.unique(prev_idx, return_inverse=True)
-            target_logits = self.verifier_logits(batch.last_hidden[positions])
+            known = None if batch.target_log_norm is None else batch.target_log_norm[positions]
+            target_logits, log_norm = self.target_logits_at(batch.last_hidden[positions], known)
 
         prev_emb = None
         if self.markov_head is not None:
             prev_emb = self.markov_head.embed(prev_ids)
             logits = logits + self.markov_head.block_bias(prev_emb, hidden).to(logits.dtype)
         conf = self.confidence_logits(hidden, prev_emb) if self.confidence_head is not None else None
-        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden, target_index)
+        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden, target_index,
+                            log_norm, positions)
 
     def sample_anchors(self, batch: PackedBatch, num_anchors: int, generator=None) -> torch.Tensor:
         return sample_anchors(
@@ -329,60 +357,79 @@ class DSparkDrafter(nn.Module):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> Proposal:
-        """Draft up to `num_tokens` tokens after `anchor_token` (at position `cache.length`).
+        """Draft up to `num_tokens` tokens after `anchor_token` (at position `cache.length`)."""
+        return self.propose_batch([cache], [anchor_token], [num_tokens], temperature, generator)[0]
 
+    @torch.no_grad()
+    def propose_batch(
+        self,
+        caches: list[ContextCache],
+        anchor_tokens: list[int],
+        num_tokens: list[int | None],
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> list[Proposal]:
+        """Draft a block for each of several sequences in one backbone pass.
+
+        The sequences' contexts are laid side by side and each block attends to its own
+        sequence's only (the document mask of training), so a row drafts what it would alone.
         One backbone pass gives every slot's base logits; the Markov head then samples left to
-        right, each slot conditioned on the token just drafted. `temperature == 0` drafts
-        greedily (no distribution is returned); otherwise `probs` is the exact distribution
-        each token was drawn from, which lossless verification needs.
+        right, each slot conditioned on the token just drafted in its row. `temperature == 0`
+        drafts greedily (no distribution is returned); otherwise `probs` is the exact
+        distribution each token was drawn from, which lossless verification needs.
         """
         cfg, dev = self.config, self.fc.weight.device
-        k_max = cfg.num_speculative_tokens if num_tokens is None else min(num_tokens, cfg.num_speculative_tokens)
-        g, s = cfg.block_size, cfg.slot_shift
-        p = cache.length
-        block_ids = torch.full((1, g), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[0, 0] = anchor_token
-        pos = torch.arange(p, p + g, device=dev)[None]
-        ctx_pos = torch.arange(p, device=dev)
-        ctx_mask = torch.ones(1, p, dtype=torch.bool, device=dev)
-        kv = cache.kv if cache.kv is not None else self.project_context(
-            torch.zeros(0, cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype), ctx_pos
-        )
-        hidden = self.backbone(block_ids, pos, torch.tensor([p], device=dev), kv, ctx_pos, ctx_mask)[0]
-        base = hidden @ self.draft_head_weight.t().to(hidden.dtype)  # [γ, Vd]
+        n, g, s = len(caches), cfg.block_size, cfg.slot_shift
+        budgets = [cfg.num_speculative_tokens if k is None else min(k, cfg.num_speculative_tokens) for k in num_tokens]
+        lengths = torch.tensor([c.length for c in caches], device=dev)
+        block_ids = torch.full((n, g), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = torch.tensor(anchor_tokens, device=dev)
+        pos = lengths[:, None] + torch.arange(g, device=dev)
+        ctx_pos = torch.cat([torch.arange(c.length, device=dev) for c in caches])
+        ctx_row = torch.repeat_interleave(torch.arange(n, device=dev), lengths)
+        ctx_mask = ctx_row[None, :] == torch.arange(n, device=dev)[:, None]
+        if any(c.kv is None for c in caches):
+            empty = self.project_context(torch.zeros(0, cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype),
+                                         torch.zeros(0, dtype=torch.long, device=dev))
+        per_layer = zip(*[c.kv if c.kv is not None else empty for c in caches])
+        kv = [(torch.cat([k for k, _ in layer], 1), torch.cat([v for _, v in layer], 1)) for layer in per_layer]
+        hidden = self.backbone(block_ids, pos, lengths, kv, ctx_pos, ctx_mask)  # [n, γ, H]
+        base = hidden @ self.draft_head_weight.t().to(hidden.dtype)  # [n, γ, Vd]
         to_target = self.draft_to_target_ids()
         temps = cfg.confidence_temperatures
-        seq, tokens, probs, confs = [anchor_token], [], [], []
-        state = self.markov_head.init_state((), hidden[0]) if self.markov_head is not None else None
-        for k in range(g):
-            if len(tokens) >= k_max:
-                break
-            logit, emb = base[k].float(), None
+        prev = block_ids[:, 0]
+        drafted, probs, confs = [], [], []
+        state = self.markov_head.init_state((n,), hidden[:, 0]) if self.markov_head is not None else None
+        for k in range(min(g, max(budgets, default=0) + 1 - s)):
+            logit, emb = base[:, k].float(), None
             if self.markov_head is not None:
-                emb = self.markov_head.embed(torch.tensor(seq[-1], device=dev))
-                bias, state = self.markov_head.step(emb, hidden[k], state)
+                emb = self.markov_head.embed(prev)
+                bias, state = self.markov_head.step(emb, hidden[:, k], state)
                 logit = logit + bias.float()
             if k < 1 - s:  # DFlash: slot 0 is the anchor itself, nothing to draft
                 continue
             if self.confidence_head is not None:
-                z = self.confidence_logits(hidden[k], emb).float()
-                j = len(tokens)
+                z = self.confidence_logits(hidden[:, k], emb).float()
+                j = len(drafted)
                 if temps is not None and j < len(temps):
                     z = z / temps[j]
                 confs.append(torch.sigmoid(z))
             if temperature <= 0:
-                d = int(torch.argmax(logit))
+                d = torch.argmax(logit, -1)
             else:
                 q = torch.softmax(logit / temperature, dim=-1)
-                d = int(torch.multinomial(q, 1, generator=generator))
-                full = torch.zeros(cfg.target_vocab_size, device=dev)
-                full[to_target] = q
+                d = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                full = torch.zeros(n, cfg.target_vocab_size, device=dev)
+                full[:, to_target] = q
                 probs.append(full)
-            tok = int(to_target[d])
-            tokens.append(tok)
-            seq.append(tok)
-        return Proposal(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.stack(probs) if probs else None,
-            torch.stack(confs) if confs else None,
-        )
+            prev = to_target[d]
+            drafted.append(prev)
+        out = []
+        for r, budget in enumerate(budgets):
+            m = min(budget, len(drafted))
+            out.append(Proposal(
+                torch.stack([t[r] for t in drafted[:m]]) if m else torch.zeros(0, dtype=torch.long, device=dev),
+                torch.stack([p[r] for p in probs[:m]]) if probs and m else None,
+                torch.stack([c[r] for c in confs[:m]]) if confs and m else None,
+            ))
+        return out

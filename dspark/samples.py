@@ -113,6 +113,10 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [T] bool
     aux_hidden: torch.Tensor  # [T, n_aux * H]
     last_hidden: torch.Tensor  # [T, H]
+    # The frozen target's full-vocabulary log-normaliser per token where an earlier step
+    # computed it (NaN elsewhere); None: not tracked. See `DrafterObjective`.
+    target_log_norm: torch.Tensor | None = None  # [T] float32
+    sample_keys: list[str] | None = None  # per document, what names it across epochs (with target_log_norm)
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +130,8 @@ class PackedBatch:
             self.loss_mask.to(device),
             self.aux_hidden.to(device=device, dtype=dtype),
             self.last_hidden.to(device=device, dtype=dtype),
+            None if self.target_log_norm is None else self.target_log_norm.to(device),
+            self.sample_keys,
         )
 
 

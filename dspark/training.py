@@ -5,10 +5,12 @@ post-training confidence calibration."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from .calibration import sequential_temperature_scaling
 from .losses import LossWeights, draft_slot_index, drafter_loss, target_probs_on_draft_vocab
@@ -69,18 +71,36 @@ def token_budget_batches(items: Iterable, max_tokens: int, size=lambda s: s.num_
 
 
 class DrafterObjective:
-    """Anchor sampling + forward + loss for one packed batch."""
+    """Anchor sampling + forward + loss for one packed batch.
+
+    `cache_normalizers` (a reduced draft vocabulary only): the L1 term's label is the target's
+    distribution over its full vocabulary, whose normaliser (a logsumexp over every logit) needs
+    the target head's full product — the most expensive one in a step. It depends only on the
+    sample, and a sample is trained again in later epochs, so the normaliser of every position
+    computed once is kept per sample key (at most `max_cached_samples`, oldest dropped); later
+    steps then compute the target's logits on the draft vocabulary alone. The loss is the same.
+    """
 
     def __init__(self, model: DSparkDrafter, weights: LossWeights, num_anchors: int, seed: int = 0,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, cache_normalizers: bool = False,
+                 max_cached_samples: int = 200_000) -> None:
         self.model, self.weights, self.num_anchors = model, weights, num_anchors
         self.autocast_dtype = autocast_dtype
         self.generator = torch.Generator().manual_seed(seed)
         cfg = model.config
         self.aux_ids, self.last_id = cfg.aux_layer_ids, cfg.target_num_layers
+        self.normalizers: OrderedDict[str, torch.Tensor] | None = (
+            OrderedDict() if cache_normalizers and model.use_draft_vocab else None)
+        self.max_cached_samples = max_cached_samples
 
-    def pack(self, samples: list[Sample], device=None, dtype=None) -> PackedBatch:
-        return pack(samples, self.aux_ids, self.last_id).to(device, dtype)
+    def pack(self, samples: list[Sample], device=None, dtype=None, keys: list[str] | None = None) -> PackedBatch:
+        """`keys`: one per sample, what identifies it across epochs (its store key)."""
+        batch = pack(samples, self.aux_ids, self.last_id)
+        if self.normalizers is not None and keys is not None:
+            batch.target_log_norm = torch.cat([
+                self.normalizers.get(k, torch.full((s.num_tokens,), float("nan"))) for k, s in zip(keys, samples)])
+            batch.sample_keys = list(keys)
+        return batch.to(device, dtype)
 
     def __call__(self, batch: PackedBatch, module=None):
         """Loss and metrics; `module` is what to call (a DeepSpeed engine wraps the model)."""
@@ -89,10 +109,30 @@ class DrafterObjective:
         if anchors.numel() == 0:
             return None, {}
         dev = batch.input_ids.device.type
-        with torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None):
+        with torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None), \
+                record_function("dspark.drafter_forward"):
             out = (module or m)(batch, anchors)
+        if batch.sample_keys is not None and out.target_log_norm is not None:
+            self._remember(batch, out.target_positions, out.target_log_norm)
         d2t_ids = m.draft_to_target_ids() if m.use_draft_vocab else None
-        return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d)
+        with record_function("dspark.loss"):
+            return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d)
+
+    @torch.no_grad()
+    def _remember(self, batch: PackedBatch, positions: torch.Tensor, log_norm: torch.Tensor) -> None:
+        docs, offsets = batch.doc_ids[positions].cpu(), batch.position_ids[positions].cpu()
+        sizes = torch.bincount(batch.doc_ids.cpu(), minlength=len(batch.sample_keys)).tolist()
+        for d, key in enumerate(batch.sample_keys):
+            here = docs == d
+            if not bool(here.any()):
+                continue
+            row = self.normalizers.pop(key, None)
+            if row is None:
+                row = torch.full((sizes[d],), float("nan"))
+            row[offsets[here]] = log_norm[here.to(log_norm.device)].float().cpu()
+            self.normalizers[key] = row  # newest last
+        while len(self.normalizers) > self.max_cached_samples:
+            self.normalizers.popitem(last=False)
 
 
 @torch.no_grad()
@@ -113,7 +153,7 @@ def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], n
             continue
         out = model(batch, anchors)
         q = torch.softmax(out.logits.float(), -1)
-        p, _ = target_probs_on_draft_vocab(out.target_logits, d2t_ids)
+        p, _ = target_probs_on_draft_vocab(out.target_logits, d2t_ids, out.target_log_norm)
         if out.target_index is not None:
             p = p[out.target_index]
         accept = torch.minimum(q, p).sum(-1)  # = c* = 1 − ½‖q − p‖₁ over the full target vocab

@@ -12,7 +12,7 @@ import torch
 
 from dspark import evaluate, train_offline
 from dspark.checkpoint import load_drafter
-from dspark.decoder import SpeculativeDecoder, target_generate
+from dspark.decoder import SpeculativeDecoder, greedy_mismatches, target_generate
 from dspark.model import ContextCache
 from dspark.samples import PackedBatch, Sample, write_sample
 from dspark.scheduler import StepRateTable
@@ -107,6 +107,39 @@ def test_trained_drafter_is_lossless_and_accepted(tiny_target, target, trained):
             assert out == ref, method
             taus.append(stats.tau)
     assert min(taus) > 1.3  # the untrained drafter sits at ~1.0
+
+
+def test_batched_decoding_is_the_sequential_decoding(tiny_target, target, trained):
+    """Prompts of different lengths decoded side by side (padding, rejected drafts masked in one
+    shared cache, rows leaving as they finish) give each prompt the target's own greedy output
+    and the acceptance counts it gets alone; with the prefix scheduler, still lossless."""
+    model, tok = target
+    drafter = load_drafter(trained / "final", tiny_target).eval()
+    texts = ["Tell me about item number 7 and why it matters.", "Hi", PROMPTS[11] + " Please answer at length, " * 6,
+             "Tell me about number 99 and 100.", PROMPTS[2], "Why?"]
+    prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
+    assert len({len(p) for p in prompts}) >= 5
+    stop = {tok.eos_token_id}
+    refs = [target_generate(model, p, 40, stop) for p in prompts]
+    alone = [SpeculativeDecoder(model, drafter).generate(p, 40, stop) for p in prompts]
+    together = SpeculativeDecoder(model, drafter).generate_many(prompts, 40, stop, max_batch_rows=4)
+    assert [o for o, _ in together] == refs == [o for o, _ in alone]
+    for (_, a), (_, b) in zip(alone, together):
+        assert (a.steps, a.accepted_at, a.drafted_at) == (b.steps, b.accepted_at, b.drafted_at)
+    assert sum(s.accepted for _, s in together) > 0
+    scheduled = SpeculativeDecoder(model, drafter, step_rates=StepRateTable([1, 8, 64], [10.0, 9.0, 2.0]))
+    assert [o for o, _ in scheduled.generate_many(prompts, 40, stop)] == refs
+
+
+def test_one_pass_lossless_check_finds_a_wrong_token(tiny_target, target):
+    model, tok = target
+    ids = render_prompt(tok, [{"role": "user", "content": PROMPTS[5]}])
+    out = target_generate(model, ids, 32, {tok.eos_token_id})
+    assert greedy_mismatches(model, ids, out) == []
+    for j in (0, len(out) // 2, len(out) - 1):
+        wrong = list(out)
+        wrong[j] = (wrong[j] + 1) % 49152
+        assert greedy_mismatches(model, ids, wrong)[0] == j
 
 
 def test_sampling_decoders_run(tiny_target, target, trained):

@@ -9,6 +9,7 @@ import torch
 
 from dspark.losses import LossWeights, drafter_loss, expected_calibration_error, position_weights
 from dspark.model import BlockOutputs
+from dspark.samples import PackedBatch
 
 
 def naive_loss(out: BlockOutputs, shift: int, w: LossWeights, d2t_ids):
@@ -104,3 +105,46 @@ def test_expected_calibration_error():
     assert float(expected_calibration_error(pred, torch.tensor([0.1, 0.1, 0.9, 0.9]))) == pytest.approx(0.0)
     # Two bins, each off by 0.4 → ECE 0.4
     assert float(expected_calibration_error(pred, torch.tensor([0.5, 0.5, 0.5, 0.5]))) == pytest.approx(0.4)
+
+
+
+def test_cached_target_normalizers_give_the_same_loss(tiny_target, monkeypatch):
+    """Steps that reuse the target log-normalisers of earlier steps on the same samples give the
+    loss that computing the full-vocabulary target head again gives, and run that head only for
+    positions no earlier step covered; the kept normalisers are the target's own."""
+    from dataclasses import replace
+
+    from dspark.training import DrafterObjective
+    from tests.helpers import make_drafter, random_batch
+
+    drafter = make_drafter(tiny_target, draft_vocab_size=3000)
+    batch = random_batch(drafter.config, lengths=(60, 45))
+    keys, sizes = ["a", "b"], [60, 45]
+    plain = DrafterObjective(drafter, LossWeights(), 6, seed=3)  # same seed: the same anchors each step
+    cached = DrafterObjective(drafter, LossWeights(), 6, seed=3, cache_normalizers=True)
+    full_rows = []
+    real = drafter.verifier_logits
+
+    def counting(h, draft_columns=False):
+        full_rows.append(0 if draft_columns else h.shape[0])
+        return real(h, draft_columns)
+
+    monkeypatch.setattr(drafter, "verifier_logits", counting)
+    for step in range(4):
+        known = torch.cat([cached.normalizers.get(k, torch.full((n,), float("nan"))) for k, n in zip(keys, sizes)])
+        mine = replace(batch, target_log_norm=known, sample_keys=keys)
+        full_rows.clear()
+        ref_loss, ref_m = plain(batch)
+        plain_rows = sum(full_rows)
+        full_rows.clear()
+        loss, m = cached(mine)
+        assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+        assert m["l1"] == pytest.approx(ref_m["l1"], rel=1e-5)
+        # The first step knows nothing; by the last, most of its positions were seen before.
+        assert sum(full_rows) == plain_rows if step == 0 else sum(full_rows) < plain_rows
+    full = torch.logsumexp(real(batch.last_hidden), -1)
+    for d, k in enumerate(keys):
+        row = cached.normalizers[k]
+        seen = ~torch.isnan(row)
+        assert seen.any()
+        torch.testing.assert_close(row[seen], full[batch.doc_ids == d][seen], atol=1e-4, rtol=1e-5)
