@@ -51,7 +51,7 @@ def main() -> None:
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray
 
-    from cluster.config import load_config, resolve_auto_dtypes
+    from cluster.config import load_config, resolve_for_machine
     from cluster.hardware import preload_libraries, read_cpu
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.master import MooncakeMaster
@@ -66,7 +66,7 @@ def main() -> None:
             return {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
 
-    cfg = resolve_auto_dtypes(load_config(ROOT / "configs" / "local.yaml"))
+    cfg = resolve_for_machine(load_config(ROOT / "configs" / "local.yaml"))
     cpu = read_cpu()
     print(f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
           f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}")

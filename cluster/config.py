@@ -81,6 +81,10 @@ class DrafterConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     decay: float = 4.0
+    # How a fresh drafter starts: random, or target_layers (draft layer j from the target's
+    # last layers, the context projection as the identity on the deepest aux layer: what the
+    # target already computes, a head start when data or minutes are few; dspark/model.py).
+    init: str = "random"
 
 
 @dataclass
@@ -93,9 +97,16 @@ class DataConfig:
     # regeneration would give the same answer anyway (greedy sampling).
     reuse_samples_across_epochs: bool | None = None
     max_prompts: int | None = None
+    # At most this many training prompts of each category (the first ones, in file order): a
+    # few large categories do not crowd out the rest when a budget (minutes) limits the prompts.
+    max_prompts_per_category: int | None = None
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
     eval_timeout_s: float = 1800.0  # the held-out evaluation; past it the job fails naming it
+    # More evaluation sets, never trained on, judged like the held-out split (eval_limit prompts
+    # each): name -> prompts file. `ood`: prompts written apart from the training set, which the
+    # held-out split (the same generator as the training prompts) cannot show.
+    eval_sets: dict[str, str] = field(default_factory=dict)
     # Who decodes the held-out prompts: `vllm` serves the target with the drafter where the
     # target runs (`dspark` on GPU, the backbone as `dflash` on CPU), `reference` runs
     # dspark.evaluate (transformers, on the driver: small targets only); auto: vllm on cuda.
@@ -182,6 +193,10 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never | always
     seed: int = 0
     torch_threads: int | None = None  # CPU: threads per rank (None: what Ray gives the actor)
+    # CPU: threads per rank while no producer generates (every sample of the data is stored;
+    # the producers' cores are idle); back to torch_threads when generation resumes. None: the
+    # machine's cores. A rank that shares its node with a replica leaves it the cores until then.
+    torch_threads_when_idle: int | None = None
     throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
     # past it the world counts as failed (a hung rank), like a dead one.
@@ -232,9 +247,10 @@ class InferenceConfig:
     replay_crash_on: list[str] = field(default_factory=list)
     replay_hang_on: list[str] = field(default_factory=list)
     prompt_batch: int = 16  # prompts a replica asks for at a time: big enough to batch, small enough to spread
-    # CPU replicas: the engine's OpenMP threads (None: the replica's CPUs, which is what Ray gives
-    # an actor) and the libraries preloaded into its process, as vLLM's CPU guide asks
-    # (`tcmalloc`, `iomp`: Intel OpenMP; those not installed are skipped; cluster/hardware.py).
+    # CPU replicas: the engine's OpenMP threads (None: the machine's cores; the local job's one
+    # replica has the box to itself while the trainer waits for it or trains on one thread)
+    # and the libraries preloaded into its process, as vLLM's CPU guide asks (`tcmalloc`, `iomp`:
+    # Intel OpenMP; those not installed are skipped; cluster/hardware.py).
     cpu_threads: int | None = None
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     max_replica_restarts: int = 5  # per group, over the job: then the job stops with the last error
@@ -280,6 +296,7 @@ CHOICES = {
     "device": ("cpu", "cuda"),
     "drafter.mode": ("dspark", "dflash"),
     "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
+    "drafter.init": ("random", "target_layers"),
     "transport.protocol": ("tcp", "rdma"),
     "transport.segment_host": ("node", "master"),
     "trainer.precision": ("auto", "bf16-mixed", "bf16", "fp32"),
@@ -325,8 +342,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             key, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"override {item!r} is not key=value")
-            # `update` (not a dotlist merge) so list entries can be addressed: topology.groups.0.name=a
-            OmegaConf.update(merged, key, yaml.safe_load(raw) if raw else raw, merge=True)
+            # `update` (not a dotlist merge) so list entries can be addressed: topology.groups.0.name=a;
+            # a mapping replaces the one there (`data.eval_sets={}` leaves none)
+            value = yaml.safe_load(raw) if raw else raw
+            OmegaConf.update(merged, key, value, merge=not isinstance(value, dict))
         key = None
         cfg: JobConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -334,18 +353,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config error at `{where}`: {first}") from None
     validate(cfg)
-    return resolve_auto_dtypes(cfg)
+    return resolve_for_machine(cfg)
 
 
-def resolve_auto_dtypes(cfg: JobConfig, cpu=None) -> JobConfig:
-    """`target.dtype: auto` and `trainer.precision: auto`: bf16 on GPUs and on CPUs that compute
-    in bf16 natively, fp32 on other CPUs (where bf16 is emulated and slower than fp32). Read on
-    the driver, which on a CPU job is the machine the job runs on. `cpu`: a `CpuInfo` (tests)."""
-    if "auto" not in (cfg.target.dtype, cfg.trainer.precision):
-        return cfg
+def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:
+    """What depends on the machine, read on the driver (on a CPU job, the machine the job runs
+    on). `target.dtype: auto` and `trainer.precision: auto`: bf16 on GPUs and on CPUs that
+    compute in bf16 natively, fp32 on other CPUs (where bf16 is emulated and slower than fp32).
+    CPU jobs: `inference.cpu_threads` and `trainer.torch_threads_when_idle` left unset become
+    the machine's cores. `cpu`: a `CpuInfo` (tests)."""
     from cluster.hardware import read_cpu
 
-    bf16 = cfg.device == "cuda" or (cpu or read_cpu()).native_bf16
+    cpu = cpu or read_cpu()
+    if cfg.device == "cpu":
+        cfg.inference.cpu_threads = cfg.inference.cpu_threads or cpu.cores
+        cfg.trainer.torch_threads_when_idle = cfg.trainer.torch_threads_when_idle or cpu.cores
+    if "auto" not in (cfg.target.dtype, cfg.trainer.precision):
+        return cfg
+    bf16 = cfg.device == "cuda" or cpu.native_bf16
     if cfg.target.dtype == "auto":
         cfg.target.dtype = "bfloat16" if bf16 else "float32"
     if cfg.trainer.precision == "auto":
@@ -381,7 +406,7 @@ RANGES = {
     "drafter.draft_vocab_size": AT_LEAST_1, "drafter.mask_token_id": NON_NEGATIVE, "drafter.num_anchors": AT_LEAST_1,
     "drafter.ce_weight": NON_NEGATIVE, "drafter.l1_weight": NON_NEGATIVE, "drafter.confidence_weight": NON_NEGATIVE,
     "drafter.decay": POSITIVE,
-    "data.heldout_fraction": Range(0, 1, open_hi=True), "data.epochs": AT_LEAST_1, "data.max_prompts": AT_LEAST_1,
+    "data.heldout_fraction": Range(0, 1, open_hi=True), "data.epochs": AT_LEAST_1, "data.max_prompts": AT_LEAST_1, "data.max_prompts_per_category": AT_LEAST_1,
     "data.eval_limit": AT_LEAST_1, "data.eval_max_new_tokens": AT_LEAST_1, "data.eval_timeout_s": POSITIVE,
     "data.max_failed_fraction": FRACTION,
     "topology.placement_timeout_s": POSITIVE,
@@ -390,7 +415,7 @@ RANGES = {
     "trainer.zero_stage": Range(0, 3), "trainer.batch_tokens": AT_LEAST_1, "trainer.lr": POSITIVE,
     "trainer.weight_decay": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE, "trainer.min_lr_ratio": FRACTION,
     "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.checkpoint_interval": AT_LEAST_1,
-    "trainer.torch_threads": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
+    "trainer.torch_threads": AT_LEAST_1, "trainer.torch_threads_when_idle": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE, "trainer.max_nonfinite_steps": AT_LEAST_1, "trainer.stall_commit_s": POSITIVE,
     "logging.progress_interval_s": POSITIVE,
     "autoscaler.interval_s": POSITIVE, "autoscaler.starving_wait_fraction": FRACTION,

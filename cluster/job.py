@@ -41,14 +41,18 @@ VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fr
 LEDGER_TIMEOUT_S = 60.0  # one call on the ledger actor (it answers in milliseconds)
 
 
+def repo_path(src: str) -> Path:
+    """A path of the config: absolute, or relative to the repository."""
+    return Path(src) if Path(src).is_absolute() else ROOT / src
+
+
 def load_prompts(cfg: JobConfig):
     """All prompt sources, de-duplicated by id, split into train / held-out."""
     from dspark.prompts import read_conversations, split
 
     convs, seen = [], set()
     for src in cfg.data.prompts:
-        path = Path(src) if Path(src).is_absolute() else ROOT / src
-        got, report = read_conversations(path)
+        got, report = read_conversations(repo_path(src))
         log.info("%s", report.summary())
         for c in got:
             if c.id in seen:
@@ -56,12 +60,43 @@ def load_prompts(cfg: JobConfig):
             seen.add(c.id)
             convs.append(c)
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
+    if cfg.data.max_prompts_per_category:
+        per_category: Counter = Counter()
+        kept = []
+        for c in train:
+            per_category[c.category] += 1
+            if per_category[c.category] <= cfg.data.max_prompts_per_category:
+                kept.append(c)
+        train = kept
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
     if not train:
         raise ValueError(f"no training prompts in data.prompts={list(cfg.data.prompts)} "
                          f"({len(convs)} read, {len(held)} held out): nothing to train on")
     return train, held
+
+
+def check_eval_sets(cfg: JobConfig, train) -> None:
+    """Every `data.eval_sets` file reads, has prompts, and shares none with the training prompts
+    (a set trained on would measure memory, not generalisation)."""
+    from cluster.config import ConfigError
+    from dspark.prompts import read_conversations
+
+    def key(c) -> str:
+        return json.dumps(c.prompt_messages, sort_keys=True)
+
+    trained = {key(c): c.id for c in train}
+    for name, src in cfg.data.eval_sets.items():
+        path = repo_path(src)
+        if not path.exists():
+            raise ConfigError(f"config error at `data.eval_sets.{name}`: {path} does not exist")
+        convs, _ = read_conversations(path)
+        if not convs:
+            raise ConfigError(f"config error at `data.eval_sets.{name}`: no prompts in {path}")
+        both = next((c for c in convs if key(c) in trained), None)
+        if both is not None:
+            raise ConfigError(f"config error at `data.eval_sets.{name}`: prompt {both.id} of {path} is also the "
+                              f"training prompt {trained[key(both)]}")
 
 
 class JobFailed(RuntimeError):
@@ -111,6 +146,7 @@ class TrainingJob:
         self.max_sample_bytes = self.cfg.target.max_model_len * (
             len(self.layer_ids) * tcfg.hidden_size * (4 if self.cfg.target.dtype == "float32" else 2) + 5)
         self.train_prompts, self.heldout = load_prompts(self.cfg)
+        check_eval_sets(self.cfg, self.train_prompts)
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
@@ -195,7 +231,7 @@ class TrainingJob:
             # Intel OpenMP's threads spin 200 ms after each parallel region by default, taking the
             # core from the trainer rank beside them; vLLM's own CPU launcher sets 5 ms.
             env["KMP_BLOCKTIME"] = "5"
-        if i.cpu_threads:
+        if i.cpu_threads:  # (set from the machine's cores when the config was read)
             env["OMP_NUM_THREADS"] = str(i.cpu_threads)
         return env or None
 
@@ -258,6 +294,9 @@ class TrainingJob:
                                f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating")
             return "waited"
         s.data_wait_s += time.perf_counter() - t0
+        if self.cfg.device == "cpu":
+            generating = self.ledger_call("to_generate") > 0
+            self.gang.set_threads(t.torch_threads if generating else t.torch_threads_when_idle)
         t1 = time.perf_counter()
         per_rank = self.gang.train_step(s.step + 1, lease)
         s.train_s += time.perf_counter() - t1
@@ -535,6 +574,7 @@ class TrainingJob:
             log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
         results["evaluation"] = self.evaluate(str(final))
         results["tau"] = results["evaluation"]["tau"]
+        results["evaluation_sets"] = {name: self.evaluate(str(final), name) for name in self.cfg.data.eval_sets}
         write_recipe(final, self.training_summary(proof["trained"]), results["evaluation"])
         # Final values once more, fresh for whoever looks after the job: Ray drops series that
         # nobody has set for a while, and training ended before the evaluation.
@@ -569,19 +609,21 @@ class TrainingJob:
                 "epochs": self.cfg.data.epochs, "trained_samples": trained, "steps": self.stats.step,
                 "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
 
-    def evaluate(self, drafter: str) -> dict:
-        """The held-out evaluation within `data.eval_timeout_s`: vLLM serving the target with the
-        drafter where the target runs (GPU: the driver never loads the target), the reference
-        decoder in a subprocess on CPU. Per-request rows go to eval.json, figures to result.json."""
+    def evaluate(self, drafter: str, eval_set: str | None = None) -> dict:
+        """The held-out evaluation (or that of `data.eval_sets[eval_set]`) within
+        `data.eval_timeout_s`: vLLM serving the target with the drafter where the target runs
+        (GPU: the driver never loads the target), the reference decoder in a subprocess on CPU.
+        Per-request rows go to eval.json (eval-<set>.json), figures to result.json."""
         backend = self.cfg.data.eval_backend
         if backend == "auto":
             backend = "vllm" if self.cfg.device == "cuda" and self.cfg.inference.backend == "vllm" else "reference"
-        out = self.run_dir / "eval.json"
+        out = self.run_dir / ("eval.json" if eval_set is None else f"eval-{eval_set}.json")
+        prompts = self.run_dir / "heldout.jsonl" if eval_set is None else repo_path(self.cfg.data.eval_sets[eval_set])
         if backend == "vllm":
-            out.write_text(json.dumps(self.evaluate_served(drafter), indent=2))
+            out.write_text(json.dumps(self.evaluate_served(drafter, prompts), indent=2))
         else:
             cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
-                   "--prompts", str(self.run_dir / "heldout.jsonl"), "--json", str(out),
+                   "--prompts", str(prompts), "--json", str(out),
                    "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens)]
             if self.cfg.data.eval_limit:
                 cmd += ["--limit", str(self.cfg.data.eval_limit)]
@@ -590,11 +632,12 @@ class TrainingJob:
         res.pop("requests", None)
         return res
 
-    def evaluate_served(self, drafter: str) -> dict:
+    def evaluate_served(self, drafter: str, prompts_file: Path) -> dict:
         """vLLM with the drafter, in the first inference placement group (its replica has stopped).
         On CPU vLLM runs only the backbone (`dflash`), exported beside the drafter."""
         from cluster.replicas import engine_actor_options
         from cluster.served_eval import ServedEvalSettings, ServedEvaluator
+        from dspark.prompts import read_conversations
         from dspark.tau_report import stratified
 
         method = "dspark" if self.cfg.device == "cuda" else "dflash"
@@ -602,7 +645,7 @@ class TrainingJob:
             from dspark.checkpoint import export_dflash_backbone, load_drafter
 
             drafter = str(export_dflash_backbone(load_drafter(drafter, self.target_path), self.run_dir / "final-dflash"))
-        held = stratified(self.heldout, lambda c: c.category, self.cfg.data.eval_limit)
+        held = stratified(read_conversations(prompts_file)[0], lambda c: c.category, self.cfg.data.eval_limit)
         prompts = [c.prompt_record() for c in held]
         settings = ServedEvalSettings(self.inference_settings("eval"), drafter, method, self.cfg.data.eval_max_new_tokens)
         placed = next(p for p in self.placed if p.spec.role == "inference")

@@ -92,6 +92,10 @@ class TrainerRank:
         self.fetched_step = None
         self.faults_fired: Counter = Counter()
 
+    def set_threads(self, threads: int) -> int:
+        torch.set_num_threads(threads)
+        return torch.get_num_threads()
+
     def connect_store(self) -> None:
         """Join the store as a pure user: the node's daemon (or the master's actor) lends the
         memory, so samples outlive this rank."""
@@ -178,6 +182,8 @@ class TrainerRank:
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = DSparkDrafter(cfg)
         model.load_target_weights(self.s.target_path)
+        if d.init == "target_layers" and not resume:  # (a resumed world loads its weights below)
+            model.init_from_target_layers(self.s.target_path)
         if model.use_draft_vocab:
             model.set_vocab_mapping(torch.tensor(model_init["d2t"]), torch.tensor(model_init["t2d"]))
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,

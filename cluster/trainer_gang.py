@@ -36,6 +36,7 @@ class TrainerGang:
         self.ranks: list = []
         self.rank_groups: list[str] = []  # group of each rank
         self.generation = 0  # bumped per (re)start: actor names stay unique
+        self.threads: int | None = None  # CPU threads each rank runs with (None: what Ray gave it)
 
     # ---- fan-out --------------------------------------------------------------------------
     def _wait(self, refs, what: str):
@@ -85,7 +86,14 @@ class TrainerGang:
             ).remote(r, world, p.spec.group, self.settings)
             for r, (p, b) in enumerate(slots)
         ]
+        self.threads = self.settings.trainer.torch_threads
         self.call("connect_store")
+
+    def set_threads(self, threads: int | None) -> None:
+        """CPU threads per rank from now on (None or unchanged: nothing to do)."""
+        if threads and threads != self.threads:
+            self.call("set_threads", threads)
+            self.threads = threads
 
     def setup(self, model_init: dict, resume: Path | None, resized: bool) -> int:
         """Rendezvous at rank 0, build the drafter and engines, load `resume` if given; the step

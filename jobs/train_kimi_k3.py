@@ -106,6 +106,10 @@ def main() -> int:
           f"lossless={ev['lossless']}; per-position acceptance "
           + " ".join(f"{a:.2f}" for a in ev["per_position_acceptance"]))
     print(format_table(ev))
+    for name, other in result["evaluation_sets"].items():
+        print(f"\n{name} tau = {fmt(other['tau'])} over {other['num_prompts']} prompts of {cfg.data.eval_sets[name]} "
+              f"(never trained on); lossless={other['lossless']}")
+        print(format_table(other))
     proof = result["exactly_once"]
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
           f"({proof['crossed']} by another group's rank); record: {proof['record']}")

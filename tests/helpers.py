@@ -102,3 +102,18 @@ def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float 
     killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*") if (p / "meta.json").exists())
     second = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=second_timeout_s)
     return killed_at, second
+
+
+def untrained_copy(drafter_dir, target_dir, out, init: str = "random") -> None:
+    """The drafter a job started from: the trained one's config and vocabulary, fresh weights
+    (`init` as `drafter.init`), saved to `out`."""
+    from dspark.checkpoint import load_drafter, save_drafter
+
+    trained = load_drafter(drafter_dir, target_dir)
+    fresh = DSparkDrafter(trained.config)
+    fresh.load_target_weights(target_dir)
+    if fresh.use_draft_vocab:
+        fresh.set_vocab_mapping(trained.d2t, trained.t2d)
+    if init == "target_layers":
+        fresh.init_from_target_layers(target_dir)
+    save_drafter(fresh, out)

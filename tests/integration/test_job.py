@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
+from dspark import evaluate
+from tests.helpers import untrained_copy
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,13 +51,27 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL])
     result = TrainingJob(cfg).run()
     proof = result["exactly_once"]
-    assert proof["per_epoch"] == {"0": 24, "1": 24} and proof["failed"] == [] and result["steps"] >= 2
+    assert proof["per_epoch"] == {str(e): 24 for e in range(cfg.data.epochs)} and proof["failed"] == []
+    assert result["steps"] >= 2
     run = tmp_path / "e2e"
     rows = [json.loads(line) for line in (run / "trained.jsonl").read_text().splitlines()]
-    assert sorted(r["uid"] for r in rows) == sorted(f"{p}@{e}" for p in {r["prompt"] for r in rows} for e in (0, 1))
-    assert len(rows) == 48 and all(r["rank"] == 0 and 1 <= r["step"] <= result["steps"] for r in rows)
+    epochs = range(cfg.data.epochs)
+    assert sorted(r["uid"] for r in rows) == sorted(f"{p}@{e}" for p in {r["prompt"] for r in rows} for e in epochs)
+    assert len(rows) == 24 * cfg.data.epochs and all(r["rank"] == 0 and 1 <= r["step"] <= result["steps"] for r in rows)
     ev = result["evaluation"]
     assert ev["lossless"] is True and ev["num_prompts"] == 2
+    # The drafter learned something: the same prompts, the same settings, decoded with the
+    # drafter the job started from (its config and vocabulary, untrained) accept less.
+    untrained = tmp_path / "untrained"
+    untrained_copy(result["drafter"], smol_target, untrained, cfg.drafter.init)
+    before = tmp_path / "untrained.json"
+    assert evaluate.main(["--target", str(smol_target), "--drafter", str(untrained), "--prompts", str(tmp_path / "e2e" / "heldout.jsonl"),
+                          "--limit", str(cfg.data.eval_limit), "--max-new-tokens", str(cfg.data.eval_max_new_tokens),
+                          "--json", str(before)]) == 0
+    untrained_tau = json.loads(before.read_text())["tau"]
+    assert ev["tau"] > untrained_tau + 0.05, (ev["tau"], untrained_tau)
+    ood = result["evaluation_sets"]["ood"]  # the never-trained set of configs/local.yaml
+    assert ood["lossless"] is True and ood["num_prompts"] == 2 and (run / "eval-ood.json").exists()
     # Figures per category, from the categories of the prompts the evaluation took (round-robin).
     evaluated = json.loads((run / "eval.json").read_text())["requests"]
     assert sorted(ev["per_category"]) == sorted({r["category"] for r in evaluated}) and all(r["category"] for r in evaluated)
@@ -75,7 +91,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     assert type(sm).__name__ == "DSparkDraftModel" and sm.config.sample_from_anchor
     assert json.loads((run / "result.json").read_text())["tau"] == ev["tau"]
     trained = scrape("dspark_samples_trained", "e2e")  # the job's world, all groups
-    assert any(float(ln.rsplit(" ", 1)[1]) == 48 for ln in trained), trained
+    assert any(float(ln.rsplit(" ", 1)[1]) == 24 * cfg.data.epochs for ln in trained), trained
     assert any('group="g0"' in ln for ln in scrape("dspark_inference_replicas", "e2e"))  # and each group's side
     assert scrape("dspark_train_loss", "e2e") and scrape("dspark_heldout_tau", "e2e")
     # The default layout: the node's store daemon held the samples

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config, resolve_auto_dtypes
+from cluster.config import ConfigError, load_config, resolve_for_machine
 from cluster.hardware import CpuInfo, read_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def test_auto_dtypes(native, device, dtype, precision):
                       if device == "cuda" else [])
     cfg.target.dtype, cfg.trainer.precision = "auto", "auto"  # what local.yaml says before resolution
     cpu = CpuInfo("test", 2, frozenset({"avx512_bf16"} if native else {"avx2"}))
-    resolve_auto_dtypes(cfg, cpu)
+    resolve_for_machine(cfg, cpu)
     assert (cfg.target.dtype, cfg.trainer.precision) == (dtype, precision)
 
 
@@ -50,3 +50,20 @@ def test_explicit_dtypes_are_kept_and_checked():
         load_config(ROOT / "configs" / "local.yaml", ["target.dtype=bf16"])
     auto = load_config(ROOT / "configs" / "local.yaml")  # resolved on this machine, never left "auto"
     assert auto.target.dtype in ("bfloat16", "float32") and auto.trainer.precision in ("bf16-mixed", "fp32")
+
+
+def test_cpu_threads_from_the_machine():
+    """Unset, a CPU replica's engine and an idle-producer trainer rank get the machine's cores;
+    set, they keep what was asked; a GPU job leaves them alone."""
+    eight = CpuInfo("test", 8, frozenset({"avx2"}))
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["inference.cpu_threads=null", "trainer.torch_threads_when_idle=null"])
+    cfg.inference.cpu_threads = cfg.trainer.torch_threads_when_idle = None  # as read, before resolution
+    resolve_for_machine(cfg, eight)
+    assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (8, 8)
+    cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle = 3, 1
+    resolve_for_machine(cfg, eight)
+    assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (3, 1)
+    gpu = load_config(ROOT / "configs" / "local.yaml", ["device=cuda", "topology.groups.0.gpus_per_node=1"])
+    gpu.inference.cpu_threads = None
+    resolve_for_machine(gpu, eight)
+    assert gpu.inference.cpu_threads is None
