@@ -45,11 +45,15 @@ def figures(result: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--reuse", default="", help="modes whose earlier run (outputs/quality-<mode>) is read, not rerun")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rows = {}
     for mode in ("dspark", "dflash"):
-        r = run(mode, args.config, args.overrides, ROOT / "outputs" / f"drafter_quality-{mode}.log")
+        if mode in args.reuse.split(","):
+            r = json.loads((ROOT / "outputs" / f"quality-{mode}" / "result.json").read_text())
+        else:
+            r = run(mode, args.config, args.overrides, ROOT / "outputs" / f"drafter_quality-{mode}.log")
         rows[mode] = {"wall_clock_s": r["wall_clock_s"], "steps": r["steps"], "cpu": r["machine"]["cpu"]["model"],
                       "splits": figures(r)}
     (ROOT / "outputs" / "drafter_quality.json").write_text(json.dumps(rows, indent=2))

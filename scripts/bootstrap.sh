@@ -11,9 +11,12 @@ WANT=$(cat pyproject.toml constraints/cpu.txt scripts/bootstrap.sh | sha256sum |
 
 # Mooncake's TCP transport links against libibverbs even without RDMA hardware; vLLM's CPU guide
 # preloads tcmalloc into its engines (inference.preload: +12% generation measured on a 2-core EPYC).
+# (not `ldconfig -p | grep -q`: grep stops at the first match, and under pipefail ldconfig's
+# SIGPIPE then reads as "not installed", which reinstalled libibverbs1 on every run)
 NEED=""
-ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || NEED="$NEED libibverbs1"
-ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || NEED="$NEED libtcmalloc-minimal4"
+LIBS=$(ldconfig -p 2>/dev/null || true)
+grep libibverbs.so.1 <<<"$LIBS" >/dev/null || NEED="$NEED libibverbs1"
+grep libtcmalloc_minimal.so.4 <<<"$LIBS" >/dev/null || NEED="$NEED libtcmalloc-minimal4"
 if [ -n "$NEED" ]; then
     echo "[bootstrap] installing$NEED"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
