@@ -102,7 +102,7 @@ class DataConfig:
     max_prompts_per_category: int | None = None
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
-    eval_timeout_s: float = 1800.0  # the held-out evaluation; past it the job fails naming it
+    eval_timeout_s: float = 1800.0  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
     # More evaluation sets, never trained on, judged like the held-out split (eval_limit prompts
     # each): name -> prompts file. `ood`: prompts written apart from the training set, which the
     # held-out split (the same generator as the training prompts) cannot show.

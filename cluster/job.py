@@ -572,9 +572,8 @@ class TrainingJob:
             errors = outcome["failed"][failed[0]]
             results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
             log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
-        results["evaluation"] = self.evaluate(str(final))
+        results["evaluation"], results["evaluation_sets"] = self.evaluate(str(final))
         results["tau"] = results["evaluation"]["tau"]
-        results["evaluation_sets"] = {name: self.evaluate(str(final), name) for name in self.cfg.data.eval_sets}
         write_recipe(final, self.training_summary(proof["trained"]), results["evaluation"])
         # Final values once more, fresh for whoever looks after the job: Ray drops series that
         # nobody has set for a while, and training ended before the evaluation.
@@ -609,28 +608,35 @@ class TrainingJob:
                 "epochs": self.cfg.data.epochs, "trained_samples": trained, "steps": self.stats.step,
                 "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
 
-    def evaluate(self, drafter: str, eval_set: str | None = None) -> dict:
-        """The held-out evaluation (or that of `data.eval_sets[eval_set]`) within
+    def evaluate(self, drafter: str) -> tuple[dict, dict[str, dict]]:
+        """The held-out evaluation and that of every `data.eval_sets` split, each within
         `data.eval_timeout_s`: vLLM serving the target with the drafter where the target runs
-        (GPU: the driver never loads the target), the reference decoder in a subprocess on CPU.
-        Per-request rows go to eval.json (eval-<set>.json), figures to result.json."""
+        (GPU: the driver never loads the target), the reference decoder on CPU (one subprocess
+        for all the sets: the target and the drafter are loaded once). Per-request rows go to
+        eval.json (eval-<set>.json), figures to result.json."""
         backend = self.cfg.data.eval_backend
         if backend == "auto":
             backend = "vllm" if self.cfg.device == "cuda" and self.cfg.inference.backend == "vllm" else "reference"
-        out = self.run_dir / ("eval.json" if eval_set is None else f"eval-{eval_set}.json")
-        prompts = self.run_dir / "heldout.jsonl" if eval_set is None else repo_path(self.cfg.data.eval_sets[eval_set])
+        sets = {None: (self.run_dir / "heldout.jsonl", self.run_dir / "eval.json")}
+        for name, src in self.cfg.data.eval_sets.items():
+            sets[name] = (repo_path(src), self.run_dir / f"eval-{name}.json")
         if backend == "vllm":
-            out.write_text(json.dumps(self.evaluate_served(drafter, prompts), indent=2))
+            for prompts, out in sets.values():
+                out.write_text(json.dumps(self.evaluate_served(drafter, prompts), indent=2))
         else:
             cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
-                   "--prompts", str(prompts), "--json", str(out),
                    "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens)]
+            for prompts, out in sets.values():
+                cmd += ["--prompts", str(prompts), "--json", str(out)]
             if self.cfg.data.eval_limit:
                 cmd += ["--limit", str(self.cfg.data.eval_limit)]
-            subprocess.run(cmd, check=True, cwd=ROOT, timeout=self.cfg.data.eval_timeout_s)
-        res = json.loads(out.read_text())
-        res.pop("requests", None)
-        return res
+            subprocess.run(cmd, check=True, cwd=ROOT, timeout=self.cfg.data.eval_timeout_s * len(sets))
+        results = {}
+        for name, (_, out) in sets.items():
+            results[name] = json.loads(out.read_text())
+            results[name].pop("requests", None)
+        heldout = results.pop(None)
+        return heldout, results
 
     def evaluate_served(self, drafter: str, prompts_file: Path) -> dict:
         """vLLM with the drafter, in the first inference placement group (its replica has stopped).

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -175,6 +176,12 @@ class TrainerRank:
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        # DeepSpeed builds its shared-memory allreduce op here (torch's JIT, which runs whichever
+        # `ninja` PATH names). The venv has pip's ninja, hosts often another (apt's 1.11); their
+        # build logs do not read each other's command hashes, so a job after a test run (or the
+        # other way round) rebuilt the op from scratch, ~80 s on 2 cores. The venv's is the one
+        # scripts/bootstrap.sh builds it with.
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         backend = "nccl" if self.s.device == "cuda" else "gloo"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         d, t = self.s.drafter, self.s.trainer

@@ -1,7 +1,7 @@
 """Measure a drafter's acceptance length τ against its target, and check losslessness.
 
-    python -m dspark.evaluate --target DIR --drafter CKPT --prompts FILE.jsonl \
-        [--max-new-tokens N] [--temperature T] [--limit K] --json OUT.json
+    python -m dspark.evaluate --target DIR --drafter CKPT --prompts FILE.jsonl --json OUT.json \
+        [--prompts FILE2.jsonl --json OUT2.json ...] [--max-new-tokens N] [--temperature T] [--limit K]
 
 Prompts: JSONL with `messages` (OpenAI chat) or `prompt` (one user turn) per line (ShareGPT
 `conversations` and `datasets` folders work too). Greedy decoding runs the prompts side by side
@@ -44,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True, help="drafter checkpoint dir (speculators format)")
-    p.add_argument("--prompts", required=True)
-    p.add_argument("--json", required=True, dest="json_out")
+    p.add_argument("--prompts", required=True, action="append",
+                   help="repeat it, each with its own --json: the sets are judged with the target and drafter loaded once")
+    p.add_argument("--json", required=True, action="append", dest="json_out")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--limit", type=int, default=None)
@@ -66,12 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
                         "(which also measures its speed)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if len(args.prompts) != len(args.json_out):
+        p.error(f"{len(args.prompts)} --prompts but {len(args.json_out)} --json: one output per prompt set")
+    return args
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    dtype = getattr(torch, args.dtype)
-    convs, report = read_conversations(args.prompts)
+def read_prompt_set(args: argparse.Namespace, path: str) -> list:
+    convs, report = read_conversations(path)
     if report.bad:
         log.warning("%s", report.summary())
     if args.split != "all":
@@ -79,7 +82,19 @@ def evaluate(args: argparse.Namespace) -> dict:
         convs = held if args.split == "heldout" else train
     convs = stratified(convs, lambda c: c.category, args.limit)
     if not convs:
-        raise SystemExit("no prompts to evaluate")
+        raise SystemExit(f"no prompts to evaluate in {path}")
+    return convs
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """The figures of the first (usually only) prompt set."""
+    return evaluate_sets(args)[0]
+
+
+def evaluate_sets(args: argparse.Namespace) -> list[dict]:
+    """Every `--prompts` set, in order, with one load of the target and the drafter."""
+    dtype = getattr(torch, args.dtype)
+    sets = [read_prompt_set(args, path) for path in args.prompts]  # every file read before minutes go into loading
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
     # The target read and the conversations rendered as the drafter's training data were: its
     # checkpoint records both (a drafter judged on another chat template is judged on data it
@@ -94,6 +109,12 @@ def evaluate(args: argparse.Namespace) -> dict:
         model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
         args.num_speculative_tokens, rates, args.seed,
     )
+    return [evaluate_one(args, convs, decoder, model, tok, chat) for convs in sets]
+
+
+def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, model, tok, chat: ChatFormat) -> dict:
+    drafter = decoder.drafter
+    decoder.generator.manual_seed(args.seed)  # (sampling: a set's figures do not depend on the sets before it)
     stop = {tok.eos_token_id}
     greedy = args.temperature <= 0
     prompts = [render_prompt(tok, c.prompt_messages, chat) for c in convs]
@@ -145,7 +166,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "draft_sample_method": args.draft_sample_method, "rejection_sample_method": args.rejection_sample_method,
             "num_speculative_tokens": decoder.k, "block_size": drafter.config.block_size, "mode": drafter.config.mode,
-            "split": args.split, "dtype": args.dtype, "prefix_scheduler": bool(rates),
+            "split": args.split, "dtype": args.dtype, "prefix_scheduler": decoder.step_rates is not None,
             "lossless_check": args.lossless_check if greedy else None, "batch_size": args.batch_size,
         },
         "requests": requests,
@@ -155,17 +176,18 @@ def evaluate(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
-    result = evaluate(args)
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(result, indent=2, allow_nan=False))
-    log.info("tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, %.1f s checking",
-             fmt(result["tau"]), result["num_prompts"], result["generated_tokens"], result["lossless"],
-             result["settings"]["lossless_check"], result["speculative_tokens_per_s"], result["seconds"]["speculative"],
-             result["seconds"]["lossless_check"])
-    print(format_table(result))
-    if len(result["by_prompt_length"]) > 1:
-        print(format_length_table(result["by_prompt_length"]))
-    return 0 if result["lossless"] in (True, None) else 1
+    results = evaluate_sets(args)
+    for path, out, result in zip(args.prompts, args.json_out, results):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2, allow_nan=False))
+        log.info("%s: tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "
+                 "%.1f s checking", path, fmt(result["tau"]), result["num_prompts"], result["generated_tokens"],
+                 result["lossless"], result["settings"]["lossless_check"], result["speculative_tokens_per_s"],
+                 result["seconds"]["speculative"], result["seconds"]["lossless_check"])
+        print(format_table(result))
+        if len(result["by_prompt_length"]) > 1:
+            print(format_length_table(result["by_prompt_length"]))
+    return 0 if all(r["lossless"] in (True, None) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ def plan(cfg, simulate: str | None) -> int:
         from ray.cluster_utils import Cluster
 
         n, g = (int(x) for x in simulate.lower().split("x"))
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-        for _ in range(n):
-            cluster.add_node(num_cpus=64, num_gpus=g)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+        for _ in range(n):  # started side by side (each is a raylet and its agents), then awaited together
+            cluster.add_node(wait=False, num_cpus=64, num_gpus=g)
         ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+        cluster.wait_for_nodes(timeout=180)
     else:
         ray.init()
     try:

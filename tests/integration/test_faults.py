@@ -4,10 +4,10 @@ prompt). For each fault the job either finishes, with its exactly-once proof (th
 record against the ledger: every prompt x epoch trained once, none lost, failures named) and the
 fault's trace in its events, or stops within a stated time with an error that names the cause.
 
-`test_fault_combined` (in the default run) injects a killed replica, a killed trainer rank, a
-hung replica, a poison prompt and a non-finite step into one run, and
-`test_fault_driver_killed_and_resubmitted` kills the driver and resubmits; the single-fault
-tests are `slow` (run them with `-m slow`)."""
+`test_fault_combined` (the default run's) injects a killed replica, a killed trainer rank, a
+hung replica, a poison prompt and a non-finite step into one run;
+`test_fault_driver_killed_and_resubmitted` kills the driver and resubmits; it and the
+single-fault tests are `slow` (run them with `-m slow`; the suite's time budget)."""
 
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def test_fault_combined(ray_cluster, smol_target, replay_dir, tmp_path):
     assert_exactly_once(result, failed=["dspark-0030@0", "dspark-0030@1"])
 
 
+@pytest.mark.slow
 def test_fault_driver_killed_and_resubmitted(ray_cluster, smol_target, replay_dir, tmp_path):
     """SIGKILL the job's driver (the Ray job's entry script) after its first checkpoint: every
     actor of the job goes with it; the same command again resumes from the checkpoint (ledger

@@ -94,6 +94,6 @@ def test_single_node_split_on_one_simulated_node():
 
 
 def test_impossible_topology_names_the_missing_resource():
-    out = plan("10x4")
+    out = plan("3x4")  # 12 nodes wanted
     assert out.returncode == 2
-    assert "missing 2 node(s) of 4 GPUs, 8 GPU(s)" in out.stderr, out.stderr[-2000:]
+    assert "missing 9 node(s) of 4 GPUs, 36 GPU(s)" in out.stderr, out.stderr[-2000:]

@@ -219,9 +219,16 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     return seen, report, events, stats
 
 
+# The default run keeps one scenario per failure of the data path itself (the master, the daemon,
+# the consumer, a full store) on the default layout; a killed producer (the fault tests kill
+# replicas of the real job) and the master-hosted layout run in the slow set (the suite's budget).
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("scenario,segment_host", [
-    ("kill_producer", "node"), ("restart_master", "node"), ("restart_daemon", "node"), ("kill_consumer", "node"),
-    ("full_store", "node"), ("restart_master", "master"), ("full_store", "master"),
+    pytest.param("kill_producer", "node", marks=SLOW), ("restart_master", "node"), ("restart_daemon", "node"),
+    ("kill_consumer", "node"), ("full_store", "node"), pytest.param("restart_master", "master", marks=SLOW),
+    pytest.param("full_store", "master", marks=SLOW),
 ])
 def test_exactly_once_after_failure(scenario, segment_host, ray_cluster, sample_dir, tmp_path):
     seg, n = (16, 30) if scenario == "full_store" else (256, 60)

@@ -55,7 +55,9 @@ def train_args(tiny_target, sample_dir, out, *extra):
 @pytest.fixture(scope="module")
 def trained(tiny_target, sample_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    assert train_offline.main(train_args(tiny_target, sample_dir, out, "--max-steps", "80")) == 0
+    # 20 steps: the tiny target is peaked enough that a drafter reaches τ ~4.9 on these prompts
+    # (80 steps measured the same; the suite's time budget)
+    assert train_offline.main(train_args(tiny_target, sample_dir, out, "--max-steps", "20")) == 0
     return out
 
 
@@ -106,7 +108,7 @@ def test_trained_drafter_is_lossless_and_accepted(tiny_target, target, trained):
             out, stats = SpeculativeDecoder(model, drafter, **kwargs).generate(ids, 40, {tok.eos_token_id})
             assert out == ref, method
             taus.append(stats.tau)
-    assert min(taus) > 1.3  # the untrained drafter sits at ~1.0
+    assert min(taus) > 2.0  # the untrained drafter sits at ~1.0; this one measured 4.9
 
 
 def test_batched_decoding_is_the_sequential_decoding(tiny_target, target, trained):
@@ -192,3 +194,17 @@ def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
     assert r["macro_tau"] == pytest.approx(sum(c["tau"] for c in r["per_category"].values()) / 3)
     assert r["percentiles"]["p50"] == pytest.approx(float(np.percentile([q["tau"] for q in req], 50)))
     assert all(q["prompt_tokens"] > 0 for q in req)
+    # Several sets in one call (the job's held-out and eval_sets): each file gets what it gets alone.
+    other = tmp_path / "q.jsonl"
+    other.write_text(json.dumps({"prompt": "Why does item number 9 matter?", "category": "chat"}) + "\n")
+    both = [tmp_path / "both-p.json", tmp_path / "both-q.json"]
+    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--max-new-tokens", "24",
+                          "--prompts", str(prompts), "--json", str(both[0]), "--prompts", str(other), "--json", str(both[1])]) == 0
+    alone = tmp_path / "q-alone.json"
+    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--max-new-tokens", "24",
+                          "--prompts", str(other), "--json", str(alone)]) == 0
+    for got, want in ((both[0], out), (both[1], alone)):
+        g, w = json.loads(got.read_text()), json.loads(want.read_text())
+        assert g["requests"] == w["requests"] and g["tau"] == w["tau"] and g["num_prompts"] == w["num_prompts"]
+    with pytest.raises(SystemExit):  # an output per set
+        evaluate.parse_args(["--target", "t", "--drafter", "d", "--prompts", "a", "--prompts", "b", "--json", "o"])
