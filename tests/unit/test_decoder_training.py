@@ -155,16 +155,16 @@ def test_sampling_decoders_run(tiny_target, target, trained):
 
 def test_resume_mid_epoch_is_exact(tiny_target, sample_dir, tmp_path):
     straight, interrupted = tmp_path / "a", tmp_path / "b"
-    assert train_offline.main(train_args(tiny_target, sample_dir, straight, "--max-steps", "12")) == 0
-    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "12", "--stop-at-step", "5")) == 0
+    assert train_offline.main(train_args(tiny_target, sample_dir, straight, "--max-steps", "8")) == 0
+    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "8", "--stop-at-step", "5")) == 0
     assert not (interrupted / "final").exists()
-    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "12", "--resume")) == 0
+    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "8", "--resume")) == 0
     a = load_drafter(straight / "final", tiny_target).trainable_state_dict()
     b = load_drafter(interrupted / "final", tiny_target).trainable_state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(x)["step"] for x in (interrupted / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13))
+    assert steps == list(range(1, 9))
 
 
 def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
