@@ -45,7 +45,7 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # the trainer builds it (cluster/trainer.py), into the cache the jobs and tests use: not inside the
 # first job's start-up.
 PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${DSPARK_CACHE:-$ROOT/.cache}/torch_extensions} \
-    "$VENV/bin/python" -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
+    "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
     >/dev/null || { echo "[bootstrap] building DeepSpeed's shm op failed" >&2; exit 1; }
 echo "$WANT" > "$STAMP"
 echo "[bootstrap] environment ready"
