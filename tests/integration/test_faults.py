@@ -176,7 +176,8 @@ def test_fault_trainer_rank_hung(ray_cluster, smol_target, replay_dir, tmp_path)
         os.kill(pid, signal.SIGSTOP)
         return pid
 
-    _, result, _, events = run_one(tmp_path, replay_dir, "hung-rank", ["trainer.call_timeout_s=10"], [(at_step(4), freeze_rank)])
+    # (30 s: the deadline bounds every call, the ranks' set-up too, which takes ~12 s on a 2-core EPYC)
+    _, result, _, events = run_one(tmp_path, replay_dir, "hung-rank", ["trainer.call_timeout_s=30"], [(at_step(4), freeze_rank)])
     assert any("did not finish" in e and "trainer.call_timeout_s" in e for e in events), events
     assert_exactly_once(result)
 
