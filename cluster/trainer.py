@@ -181,7 +181,9 @@ class TrainerRank:
         # build logs do not read each other's command hashes, so a job after a test run (or the
         # other way round) rebuilt the op from scratch, ~80 s on 2 cores. The venv's is the one
         # scripts/bootstrap.sh builds it with.
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
+        if path.split(os.pathsep, 1)[0] != venv_bin:  # (once per process: set-up runs again at every world restart)
+            os.environ["PATH"] = venv_bin + os.pathsep + path
         backend = "nccl" if self.s.device == "cuda" else "gloo"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         d, t = self.s.drafter, self.s.trainer

@@ -109,11 +109,11 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
         model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
         args.num_speculative_tokens, rates, args.seed,
     )
-    return [evaluate_one(args, convs, decoder, model, tok, chat) for convs in sets]
+    return [evaluate_one(args, convs, decoder, tok, chat) for convs in sets]
 
 
-def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, model, tok, chat: ChatFormat) -> dict:
-    drafter = decoder.drafter
+def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, tok, chat: ChatFormat) -> dict:
+    model, drafter = decoder.target, decoder.drafter
     decoder.generator.manual_seed(args.seed)  # (sampling: a set's figures do not depend on the sets before it)
     stop = {tok.eos_token_id}
     greedy = args.temperature <= 0

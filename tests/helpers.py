@@ -18,6 +18,11 @@ PERSONA_TEMPLATE = (
 )
 
 
+# Pinned in the replay-backend job tests (faults, autoscaler): what they judge does not depend on
+# the local default's warm start, its split of threads or its extra evaluation sets.
+REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2"]
+
+
 def make_drafter(target_dir, seed: int = 0, **settings) -> DSparkDrafter:
     settings.setdefault("num_layers", 2)
     settings.setdefault("block_size", 4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import load_config
+from tests.helpers import REPLAY_JOB_PINS
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +22,7 @@ def run(tmp_path, replay_dir, name, overrides):
             "autoscaler.scale_down_delay_s=2", "autoscaler.cooldown_s=3", "drafter.draft_vocab_size=null",
             "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=600", "trainer.checkpoint_interval=5",
             "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=3",
-            "transport.segment_mb=64", "topology.groups.0.max_replicas=2", "data.epochs=1", "data.eval_sets={}",
-            "drafter.init=random", "trainer.torch_threads=2"]
+            "transport.segment_mb=64", "topology.groups.0.max_replicas=2", "data.epochs=1", *REPLAY_JOB_PINS]
     cfg = load_config("configs/local.yaml", base + overrides)
     job = TrainingJob(cfg)
     result = job.run()

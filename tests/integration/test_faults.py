@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
+from tests.helpers import REPLAY_JOB_PINS
 
 pytestmark = pytest.mark.integration
 N = 40  # prompts; 2 epochs (greedy answers reused) = 80 samples
@@ -30,9 +31,7 @@ def replay_job(tmp_path, replay_dir, name: str) -> list[str]:
             "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=600", "trainer.checkpoint_interval=3",
             f"data.max_prompts={N}", "data.epochs=2", "data.eval_limit=1", "data.eval_max_new_tokens=8",
             "logging.wandb_mode=disabled", "logging.progress_interval_s=5", "transport.segment_mb=256",
-            "inference.restart_backoff_s=0.02", "data.eval_sets={}", "data.max_prompts_per_category=null",
-            # what these tests judge does not depend on the warm start or on the threads' split
-            "drafter.init=random", "trainer.torch_threads=2"]
+            "inference.restart_backoff_s=0.02", "data.max_prompts_per_category=null", *REPLAY_JOB_PINS]
 
 
 def start_job(tmp_path, replay_dir, name: str, overrides: list[str]):
