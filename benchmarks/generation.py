@@ -9,12 +9,12 @@ prompts of the default set, handed over `batch` prompts per call as the ledger h
 replica:
 
 - `plain`: `LLM.generate` alone (no extraction), the ceiling;
-- `job`: `InferenceActor.process` — regenerate and extract the aux and final states through
-  our Mooncake connector into a real store — what the job's replica does;
+- `job`: `InferenceActor.process` — regenerate with the capturing target
+  (`cluster.capture_model`) and put the aux and final states through our Mooncake connector into
+  a real store — what the job's replica does;
 and the environment knobs a replica can be given: `threads=N` (the engine's OpenMP/torch
 threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel OpenMP preloaded, as
-vLLM's CPU guide asks for speculative methods, `extract_hidden_states` among them), `tcmalloc`
-(likewise its allocator). Prints the CPU (model, cores, flags), then generated tokens/s per
+vLLM's CPU guide asks), `tcmalloc` (likewise its allocator). Prints the CPU (model, cores, flags), then generated tokens/s per
 variant and its ratio to plain vLLM at the same batch and knobs (`plain iomp` is the baseline
 of `job iomp`).
 """

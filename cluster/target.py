@@ -77,20 +77,16 @@ def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:
 
 def vllm_extraction_gap(architectures: list[str]) -> str | None:
     """Why vLLM cannot export aux hidden states for this architecture (its model class lacks the
-    EAGLE-3 aux-hidden-state interface `extract_hidden_states` needs), or None when it can or
+    EAGLE-3 aux-hidden-state interface `cluster.capture_model` needs), or None when it can or
     when vLLM does not know the class here (a remote-code target: the replica will say)."""
     try:
-        from vllm.model_executor.models.interfaces import supports_eagle3
-        from vllm.model_executor.models.registry import ModelRegistry
+        from cluster.capture_model import capture_gap, vllm_class
     except ImportError:
         return None
     for arch in architectures:
-        # A private loader (vLLM 0.32): the public resolver needs a whole ModelConfig.
-        cls = ModelRegistry._try_load_model_cls(arch)
+        cls = vllm_class(arch)
         if cls is not None:
-            return None if supports_eagle3(cls) else (
-                f"vLLM's {cls.__name__} does not implement the aux-hidden-state interface (SupportsEagle3) that "
-                f"hidden-state extraction needs")
+            return capture_gap(cls)
     return None
 
 

@@ -195,6 +195,7 @@ class SpeculativeDecoder:
         num_speculative_tokens: int | None = None,
         step_rates: StepRateTable | None = None,
         seed: int = 0,
+        verify_width: int | None = None,
     ) -> None:
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}")
@@ -207,6 +208,9 @@ class SpeculativeDecoder:
         self.temperature = temperature
         self.k = num_speculative_tokens or drafter.config.num_speculative_tokens
         self.step_rates = step_rates
+        if verify_width is not None and verify_width < 1:
+            raise ValueError(f"verify_width must be at least 1 (or None: the whole block), not {verify_width}")
+        self.verify_width = verify_width  # drafts per target forward in batched greedy decoding
         self.generator = torch.Generator().manual_seed(seed)
         self.n_aux = len(drafter.config.aux_layer_ids)
 
@@ -257,7 +261,8 @@ class SpeculativeDecoder:
         """`generate` for several prompts. Greedy decoding runs them in batches of similar
         length (at most `max_batch_rows` rows and `max_batch_tokens` padded prompt tokens, which
         bounds the prefill's memory): one drafter pass and one target forward per step for the
-        whole batch. Sampling decodes one prompt at a time."""
+        whole batch, `verify_width` drafts of each block per forward (`_generate_batch`).
+        Sampling decodes one prompt at a time."""
         if self.temperature > 0:
             return [self.generate(p, max_new_tokens, stop_ids) for p in prompts]
         results: list = [None] * len(prompts)
@@ -274,10 +279,20 @@ class SpeculativeDecoder:
         return results
 
     def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int, stop: set[int]):
-        n = len(prompts)
+        """Greedy decoding of a batch. A row's block of drafts is verified `verify_width` drafts
+        per target forward (all of them when it is None): a greedy block is accepted up to its
+        first draft that is not the target's argmax, so checking the rest only once a prefix
+        survived accepts exactly what one forward over the whole block would, and a block that
+        fails early (most do) costs the target 1 + `verify_width` positions instead of 1 + k.
+        A row whose prefix survived goes on with the rest of its block at the next forward,
+        beside rows that verify new blocks; its drafter is not called until the block ends.
+        Statistics count blocks, as the one-forward-per-block decoder does."""
+        n, w = len(prompts), self.verify_width
         stats = [DecodeStats() for _ in prompts]
         outs: list[list[int]] = [[] for _ in prompts]
         ctxs = [ContextCache(self.drafter) for _ in prompts]
+        left: list[list[int] | None] = [None] * n  # the open block's drafts not verified yet
+        block: list[list[int]] = [[0, 0] for _ in prompts]  # the open block's drafted, accepted
         batch = TargetBatch(self.target, self.drafter.config.extract_layer_ids)
         logits, hidden = batch.run([list(p) for p in prompts], logits_at=[len(p) - 1 for p in prompts])
         for i, p in enumerate(prompts):
@@ -285,28 +300,44 @@ class SpeculativeDecoder:
             outs[i].append(int(logits[i].argmax()))
         active = list(range(n))
         while True:
-            still = [j for j, i in enumerate(active) if not _done(outs[i], max_new_tokens, stop)]
+            still = [j for j, i in enumerate(active) if left[i] is not None or not _done(outs[i], max_new_tokens, stop)]
             if len(still) < len(active):
                 active = [active[j] for j in still]
                 if not active:
                     break
                 batch.select(still)
-            budgets = [min(self.k, max_new_tokens - len(outs[i]) - 1) for i in active]
-            props = self.drafter.propose_batch([ctxs[i] for i in active], [outs[i][-1] for i in active], budgets)
-            drafts = [p.tokens for p in props]
-            if self.step_rates is not None:
-                # Algorithm 1 over the whole batch: the verification budget goes where survival is highest.
-                rows = [j for j, d in enumerate(drafts) if d.numel()]
-                for j, keep in zip(rows, schedule_prefixes([props[j].confidence for j in rows], self.step_rates)):
-                    drafts[j] = drafts[j][:keep]
-            logits, hidden = batch.run([[outs[i][-1], *d.tolist()] for i, d in zip(active, drafts)])
+            new = [i for i in active if left[i] is None]
+            if new:
+                budgets = [min(self.k, max_new_tokens - len(outs[i]) - 1) for i in new]
+                props = self.drafter.propose_batch([ctxs[i] for i in new], [outs[i][-1] for i in new], budgets)
+                drafts = [p.tokens for p in props]
+                if self.step_rates is not None:
+                    # Algorithm 1 over the whole batch: the verification budget goes where survival is highest.
+                    rows = [j for j, d in enumerate(drafts) if d.numel()]
+                    for j, keep in zip(rows, schedule_prefixes([props[j].confidence for j in rows], self.step_rates)):
+                        drafts[j] = drafts[j][:keep]
+                for i, d in zip(new, drafts):
+                    left[i], block[i] = d.tolist(), [d.numel(), 0]
+            chunks = {i: left[i][:w] if w is not None else left[i] for i in active}
+            logits, hidden = batch.run([[outs[i][-1], *chunks[i]] for i in active])
             kept = []
-            for j, (i, d) in enumerate(zip(active, drafts)):
-                m, nxt = verify_greedy(d, logits[j, : d.numel() + 1])
+            for j, i in enumerate(active):
+                c = chunks[i]
+                m, nxt = verify_greedy(torch.tensor(c, dtype=torch.long), logits[j, : len(c) + 1])
                 ctxs[i].extend(self._aux(hidden[j, : m + 1]))
-                stats[i].record(d.numel(), m)
-                outs[i] += [*d[:m].tolist(), nxt]
+                outs[i] += c[:m]
+                block[i][1] += m
                 kept.append(m + 1)
+                rest = left[i][len(c):]
+                if m == len(c) and rest and rest[0] == nxt:
+                    # the next draft is the target's token: accepted, and verification goes on from it
+                    outs[i].append(nxt)
+                    block[i][1] += 1
+                    left[i] = rest[1:]
+                    continue
+                outs[i].append(nxt)
+                stats[i].record(*block[i])
+                left[i] = None
             batch.keep(kept)
         return [(_finish(o, max_new_tokens, stop), st) for o, st in zip(outs, stats)]
 

@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
                         "(which also measures its speed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify-width", type=int, default=2,
+                   help="greedy: drafts of a block the target checks per forward, the rest only once "
+                        "these survive (the same acceptance as checking the whole block; 0: the whole block)")
     args = p.parse_args(argv)
     if len(args.prompts) != len(args.json_out):
         p.error(f"{len(args.prompts)} --prompts but {len(args.json_out)} --json: one output per prompt set")
@@ -107,7 +110,7 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
         rates = StepRateTable(raw["batch_tokens"], raw["steps_per_s"])
     decoder = SpeculativeDecoder(
         model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
-        args.num_speculative_tokens, rates, args.seed,
+        args.num_speculative_tokens, rates, args.seed, args.verify_width or None,
     )
     return [evaluate_one(args, convs, decoder, tok, chat) for convs in sets]
 
@@ -168,6 +171,7 @@ def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDeco
             "num_speculative_tokens": decoder.k, "block_size": drafter.config.block_size, "mode": drafter.config.mode,
             "split": args.split, "dtype": args.dtype, "prefix_scheduler": decoder.step_rates is not None,
             "lossless_check": args.lossless_check if greedy else None, "batch_size": args.batch_size,
+            "verify_width": decoder.verify_width if greedy else None,
         },
         "requests": requests,
     }

@@ -4,9 +4,9 @@ failure (run through `scripts/gpu_check.sh`, which makes the environment):
   dspark_serving   vLLM serves our checkpoint with `method: dspark`: greedy output identical to
                    the target alone (lossless), τ within 0.05 of the reference decoder's on the
                    same prompts (both fp32)
-  connector_cuda   the hidden-state connector's CUDA path (vLLM `extract_hidden_states` + our
-                   connector, file backend) against transformers on the GPU: cosine >= 0.999 per
-                   aux layer, as the CPU test asks
+  connector_cuda   the hidden-state capture's CUDA path (cluster.capture_model under CUDA
+                   graphs + our connector, file backend) against transformers on the GPU:
+                   cosine >= 0.999 per aux layer, as the CPU test asks
   trainer_nccl     the job's trainer on NCCL with ZeRO-2 on this GPU, fed by a replay replica
                    with the samples the connector check wrote: exactly once, a drafter exported
   serving_gpu      benchmarks/serving.py's GPU variant (the OpenAI server with and without the
@@ -86,7 +86,8 @@ def check_connector_cuda(target: str, work: Path) -> tuple[bool, str]:
     shutil.rmtree(files, ignore_errors=True)
     actor = InferenceActor(InferenceSettings(target_path=target, layer_ids=layer_ids, key_prefix="gpu-check/g0",
                                              backend="file", file_dir=str(files), device="cuda", dtype="bfloat16",
-                                             max_model_len=1024, max_tokens=48, gpu_memory_utilization=0.4))
+                                             max_model_len=1024, max_tokens=48, gpu_memory_utilization=0.4,
+                                             enforce_eager=False))  # the capture under CUDA graphs
     produced = actor.process([{"id": f"p{i}", "messages": m} for i, m in enumerate(PROMPTS)])
     del actor
     errors = [r.error for r in produced if r.error]
