@@ -103,8 +103,7 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
         if not self.layer_ids:
             raise ValueError(f"{type(self).__name__} needs the capturing target (hf_overrides "
-                             f"{LAYER_IDS_KEY!r}, cluster.capture_model.capture_overrides)")
-        self.use_lock = False  # nobody polls a lock file: the key arrives with the request output
+                             f"{LAYER_IDS_KEY!r}, cluster.capture_model.capture_engine_kwargs)")
         self._planned: dict[str, PlannedSave] = {}
         self._keys: dict[str, str] = {}
         self._store: HiddenStateStore | None = None
