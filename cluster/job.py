@@ -28,6 +28,7 @@ from pathlib import Path
 from cluster.checkpoints import CheckpointDir
 from cluster.config import ROOT, JobConfig, group_watermarks, to_yaml
 from cluster.control import ControlChannel, ResizeTrainer
+from cluster.hardware import read_cpu
 from cluster.ledger import SampleLedger
 from cluster.metrics import Metrics
 from cluster.progress import ProgressReporter, TrainingStats
@@ -585,8 +586,6 @@ class TrainingJob:
         for category, figures in results["evaluation"]["per_category"].items():
             if figures["tau"] is not None:
                 self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
-        from cluster.hardware import read_cpu
-
         results["machine"] = {"cpu": read_cpu().to_dict(), "device": self.cfg.device, "target_dtype": self.cfg.target.dtype,
                               "trainer_precision": self.cfg.trainer.precision}
         results["wall_clock_s"] = time.monotonic() - self.started  # the job, from its config to this file
@@ -624,8 +623,11 @@ class TrainingJob:
             for prompts, out in sets.values():
                 out.write_text(json.dumps(self.evaluate_served(drafter, prompts), indent=2))
         else:
+            # Every core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this subprocess
+            # would inherit (one thread made the local job's evaluation ~1.8x slower), and the
+            # producers and the trainer are done.
             cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
-                   "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens)]
+                   "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens), "--threads", str(read_cpu().cores)]
             for prompts, out in sets.values():
                 cmd += ["--prompts", str(prompts), "--json", str(out)]
             if self.cfg.data.eval_limit:

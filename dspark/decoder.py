@@ -348,13 +348,33 @@ def greedy_mismatches(model, prompt_ids: list[int], output: list[int]) -> list[i
     it: one teacher-forced forward over prompt + output instead of a second greedy decode. An
     output with none is what greedy decoding produces (up to exact ties), so this checks
     losslessness. The last token may be a stop token or the budget's end; both are checked."""
-    if not output:
-        return []
+    return greedy_mismatches_many(model, [prompt_ids], [output])[0]
+
+
+@torch.no_grad()
+def greedy_mismatches_many(model, prompts: list[list[int]], outputs: list[list[int]], max_rows: int = 8) -> list[list[int]]:
+    """`greedy_mismatches` of several outputs, up to `max_rows` teacher-forced sequences per
+    forward. Rows are left-padded (masked, positions per row), so every output ends at the last
+    column and one `logits_to_keep` covers them all; rows are grouped by length to pad little."""
     dev = next(model.parameters()).device
-    ids = torch.tensor([[*prompt_ids, *output[:-1]]], dtype=torch.long, device=dev)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(output)).logits[0]
-    best = logits.float().argmax(-1).tolist()
-    return [j for j, (a, b) in enumerate(zip(output, best)) if a != b]
+    found: list[list[int]] = [[] for _ in prompts]
+    order = sorted((i for i in range(len(prompts)) if outputs[i]), key=lambda i: len(prompts[i]) + len(outputs[i]))
+    for start in range(0, len(order), max_rows):
+        rows = order[start: start + max_rows]
+        seqs = [[*prompts[i], *outputs[i][:-1]] for i in rows]
+        width, keep = max(map(len, seqs)), max(len(outputs[i]) for i in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, seq in enumerate(seqs):
+            ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[r, width - len(seq):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False,
+                       logits_to_keep=keep).logits
+        for r, i in enumerate(rows):
+            best = logits[r, keep - len(outputs[i]):].float().argmax(-1).tolist()
+            found[i] = [j for j, (a, b) in enumerate(zip(outputs[i], best)) if a != b]
+    return found
 
 
 def timed(fn, *args, **kwargs):

@@ -5,7 +5,8 @@
 
 Prompts: JSONL with `messages` (OpenAI chat) or `prompt` (one user turn) per line (ShareGPT
 `conversations` and `datasets` folders work too). Greedy decoding runs the prompts side by side
-(`--batch-size`): one drafter pass and one target verification forward per step for the batch.
+(`--batch-size`), those of every set in one pass: one drafter pass and one target verification
+forward per step for the batch.
 Losslessness is then checked with one teacher-forced target pass over each output (every token
 must be the target's argmax given those before it; a mismatch is settled by the target's own
 decode), or with `--lossless-check decode`, by the target decoding every prompt alone first, as
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_drafter
-from .decoder import SpeculativeDecoder, greedy_mismatches, target_generate
+from .decoder import SpeculativeDecoder, greedy_mismatches_many, target_generate
 from .prompts import read_conversations, split
 from .scheduler import StepRateTable
 from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
@@ -60,17 +61,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-rates", default=None,
                    help="JSON file {batch_tokens: [...], steps_per_s: [...]} enabling the prefix scheduler")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--batch-size", type=int, default=16,
+    p.add_argument("--batch-size", type=int, default=32,
                    help="prompts decoded side by side (greedy): one drafter pass and one target forward per step")
     p.add_argument("--batch-tokens", type=int, default=8192, help="at most this many padded prompt tokens in a batch")
     p.add_argument("--lossless-check", choices=["one-pass", "decode"], default="one-pass",
                    help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
                         "(which also measures its speed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the target and the drafter (default: torch's own choice, which follows "
+                        "OMP_NUM_THREADS)")
     p.add_argument("--verify-width", type=int, default=2,
                    help="greedy: drafts of a block the target checks per forward, the rest only once "
                         "these survive (the same acceptance as checking the whole block; 0: the whole block)")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads}: at least 1")
     if len(args.prompts) != len(args.json_out):
         p.error(f"{len(args.prompts)} --prompts but {len(args.json_out)} --json: one output per prompt set")
     return args
@@ -96,6 +102,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def evaluate_sets(args: argparse.Namespace) -> list[dict]:
     """Every `--prompts` set, in order, with one load of the target and the drafter."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     sets = [read_prompt_set(args, path) for path in args.prompts]  # every file read before minutes go into loading
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
@@ -112,10 +120,31 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
         model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
         args.num_speculative_tokens, rates, args.seed, args.verify_width or None,
     )
-    return [evaluate_one(args, convs, decoder, tok, chat) for convs in sets]
+    if args.temperature > 0 or args.lossless_check == "decode" or len(sets) == 1:
+        return [evaluate_one(args, convs, decoder, tok, chat) for convs in sets]
+    # Greedy output does not depend on what else is in the batch, so every set is decoded in one
+    # pass: fuller batches (`--batch-size` rows) make the target's forwards cheaper per token. A
+    # set's decode seconds are its share of the pass, by generated tokens.
+    stop = {tok.eos_token_id}
+    prompts = [[render_prompt(tok, c.prompt_messages, chat) for c in convs] for convs in sets]
+    t0 = time.perf_counter()
+    decoded = decoder.generate_many([p for ps in prompts for p in ps], args.max_new_tokens, stop,
+                                    max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
+    seconds = time.perf_counter() - t0
+    total = max(1, sum(len(out) for out, _ in decoded))
+    results, start = [], 0
+    for convs in sets:
+        mine = decoded[start: start + len(convs)]
+        start += len(convs)
+        share = seconds * sum(len(out) for out, _ in mine) / total
+        results.append(evaluate_one(args, convs, decoder, tok, chat, (mine, share)))
+    return results
 
 
-def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, tok, chat: ChatFormat) -> dict:
+def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, tok, chat: ChatFormat,
+                 decoded: tuple[list, float] | None = None) -> dict:
+    """The figures of one set; `decoded`: its speculative outputs and decode seconds when they
+    were decoded already (with other sets, greedy only)."""
     model, drafter = decoder.target, decoder.drafter
     decoder.generator.manual_seed(args.seed)  # (sampling: a set's figures do not depend on the sets before it)
     stop = {tok.eos_token_id}
@@ -129,19 +158,25 @@ def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDeco
         t0 = time.perf_counter()
         refs = [target_generate(model, ids, args.max_new_tokens, stop, args.temperature, gen) for ids in prompts]
         t_target, n_target = time.perf_counter() - t0, sum(map(len, refs))
+    if decoded is None:
+        t0 = time.perf_counter()
+        outs = decoder.generate_many(prompts, args.max_new_tokens, stop, max_batch_tokens=args.batch_tokens,
+                                     max_batch_rows=args.batch_size)
+        decoded = outs, time.perf_counter() - t0
+    decoded, t_spec = decoded
+    n_spec = sum(len(out) for out, _ in decoded)
     t0 = time.perf_counter()
-    decoded = decoder.generate_many(prompts, args.max_new_tokens, stop, max_batch_tokens=args.batch_tokens,
-                                    max_batch_rows=args.batch_size)
-    t_spec, n_spec = time.perf_counter() - t0, sum(len(out) for out, _ in decoded)
+    # Greedy output is what the target emits when each token is its argmax given the ones before:
+    # one teacher-forced pass (batched) checks that. A mismatch there (an exact tie, or batched
+    # arithmetic, can break either way) is settled by the target's own decode.
+    mismatches = (greedy_mismatches_many(model, prompts, [out for out, _ in decoded])
+                  if greedy and not reference else [None] * len(convs))
     rows: list[RequestResult] = []
     requests, lossless = [], True if greedy else None
-    for c, ids, ref, (out, stats) in zip(convs, prompts, refs, decoded):
+    for c, ids, ref, (out, stats), wrong in zip(convs, prompts, refs, decoded, mismatches):
         same = None
         if greedy:
-            # Greedy output is what the target emits when each token is its argmax given the ones
-            # before: one teacher-forced pass checks that. A mismatch there (an exact tie can break
-            # either way) is settled by the target's own decode.
-            same = ref == out if ref is not None else not greedy_mismatches(model, ids, out)
+            same = ref == out if ref is not None else not wrong
             if not same and ref is None:
                 same = target_generate(model, ids, args.max_new_tokens, stop) == out
             lossless = lossless and same
@@ -153,7 +188,7 @@ def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDeco
                          "tau": stats.tau if stats.steps else None,
                          "steps": stats.steps, "accepted": stats.accepted, "generated_tokens": len(out),
                          "identical_to_target": same})
-    check_s = time.perf_counter() - t0 - t_spec
+    check_s = time.perf_counter() - t0
     figures = summarize(rows)
     return {
         **figures,

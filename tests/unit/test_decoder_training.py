@@ -12,7 +12,7 @@ import torch
 
 from dspark import evaluate, train_offline
 from dspark.checkpoint import load_drafter
-from dspark.decoder import SpeculativeDecoder, greedy_mismatches, target_generate
+from dspark.decoder import SpeculativeDecoder, greedy_mismatches, greedy_mismatches_many, target_generate
 from dspark.model import ContextCache
 from dspark.samples import PackedBatch, Sample, write_sample
 from dspark.scheduler import StepRateTable
@@ -147,6 +147,14 @@ def test_one_pass_lossless_check_finds_a_wrong_token(tiny_target, target):
         wrong = list(out)
         wrong[j] = (wrong[j] + 1) % 49152
         assert greedy_mismatches(model, ids, wrong)[0] == j
+    # Batched: left-padded rows of other lengths beside it (and an empty output) change nothing.
+    other = render_prompt(tok, [{"role": "user", "content": PROMPTS[1]}])
+    short = target_generate(model, other, 12, {tok.eos_token_id})
+    wrong = list(out)
+    wrong[3] = (wrong[3] + 1) % 49152
+    for rows in (2, 8):
+        got = greedy_mismatches_many(model, [ids, other, ids, other], [out, short, wrong, []], max_rows=rows)
+        assert got[0] == [] and got[1] == [] and got[2][0] == 3 and got[3] == []
 
 
 def test_sampling_decoders_run(tiny_target, target, trained):
