@@ -120,49 +120,49 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
         model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
         args.num_speculative_tokens, rates, args.seed, args.verify_width or None,
     )
-    if args.temperature > 0 or args.lossless_check == "decode" or len(sets) == 1:
-        return [evaluate_one(args, convs, decoder, tok, chat) for convs in sets]
-    # Greedy output does not depend on what else is in the batch, so every set is decoded in one
-    # pass: fuller batches (`--batch-size` rows) make the target's forwards cheaper per token. A
-    # set's decode seconds are its share of the pass, by generated tokens.
     stop = {tok.eos_token_id}
     prompts = [[render_prompt(tok, c.prompt_messages, chat) for c in convs] for convs in sets]
-    t0 = time.perf_counter()
-    decoded = decoder.generate_many([p for ps in prompts for p in ps], args.max_new_tokens, stop,
-                                    max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
-    seconds = time.perf_counter() - t0
-    total = max(1, sum(len(out) for out, _ in decoded))
-    results, start = [], 0
-    for convs in sets:
-        mine = decoded[start: start + len(convs)]
-        start += len(convs)
-        share = seconds * sum(len(out) for out, _ in mine) / total
-        results.append(evaluate_one(args, convs, decoder, tok, chat, (mine, share)))
-    return results
+    decoded = decode_sets(args, decoder, prompts, stop)
+    return [evaluate_one(args, convs, ids, decoder, stop, d) for convs, ids, d in zip(sets, prompts, decoded)]
 
 
-def evaluate_one(args: argparse.Namespace, convs: list, decoder: SpeculativeDecoder, tok, chat: ChatFormat,
-                 decoded: tuple[list, float] | None = None) -> dict:
-    """The figures of one set; `decoded`: its speculative outputs and decode seconds when they
-    were decoded already (with other sets, greedy only)."""
+def decode_sets(args: argparse.Namespace, decoder: SpeculativeDecoder, prompts: list[list[list[int]]],
+                stop: set[int]) -> list[tuple[list, float]]:
+    """Each set's speculative outputs and decode seconds. Greedy (with the one-pass check) decodes
+    every set in one pass: its output does not depend on what else is in the batch, and fuller
+    batches (`--batch-size` rows) make the target's forwards cheaper per token; a set's seconds
+    are its share of the pass, by generated tokens. Otherwise set by set, each from the seed (a
+    set's sampled figures do not depend on the sets before it)."""
+    together = args.temperature <= 0 and args.lossless_check == "one-pass"
+    groups = [list(range(len(prompts)))] if together else [[k] for k in range(len(prompts))]
+    decoded: list = [None] * len(prompts)
+    for group in groups:
+        decoder.generator.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        outs = decoder.generate_many([p for k in group for p in prompts[k]], args.max_new_tokens, stop,
+                                     max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
+        seconds, total = time.perf_counter() - t0, max(1, sum(len(out) for out, _ in outs))
+        start = 0
+        for k in group:
+            mine = outs[start: start + len(prompts[k])]
+            start += len(prompts[k])
+            decoded[k] = mine, seconds if len(group) == 1 else seconds * sum(len(out) for out, _ in mine) / total
+    return decoded
+
+
+def evaluate_one(args: argparse.Namespace, convs: list, prompts: list[list[int]], decoder: SpeculativeDecoder,
+                 stop: set[int], decoded: tuple[list, float]) -> dict:
+    """The figures of one set from its speculative outputs and their decode seconds."""
     model, drafter = decoder.target, decoder.drafter
-    decoder.generator.manual_seed(args.seed)  # (sampling: a set's figures do not depend on the sets before it)
-    stop = {tok.eos_token_id}
     greedy = args.temperature <= 0
-    prompts = [render_prompt(tok, c.prompt_messages, chat) for c in convs]
     reference = args.lossless_check == "decode" or not greedy
     t_target = n_target = 0
     refs: list[list[int] | None] = [None] * len(convs)
-    if reference:  # the target decodes alone first: the old check, and the target's own speed
+    if reference:  # the target decodes alone: the old check, and the target's own speed
         gen = torch.Generator().manual_seed(args.seed)
         t0 = time.perf_counter()
         refs = [target_generate(model, ids, args.max_new_tokens, stop, args.temperature, gen) for ids in prompts]
         t_target, n_target = time.perf_counter() - t0, sum(map(len, refs))
-    if decoded is None:
-        t0 = time.perf_counter()
-        outs = decoder.generate_many(prompts, args.max_new_tokens, stop, max_batch_tokens=args.batch_tokens,
-                                     max_batch_rows=args.batch_size)
-        decoded = outs, time.perf_counter() - t0
     decoded, t_spec = decoded
     n_spec = sum(len(out) for out, _ in decoded)
     t0 = time.perf_counter()
