@@ -2,7 +2,7 @@
 4 groups × (8 inference GPUs on 2 nodes + 4 trainer GPUs on 1 node), each replica's bundles in
 node order, every node used exactly once, one trainer world of 16 ranks, and the capacity plan;
 the single-node split on one simulated 8-GPU node; an impossible topology names what is
-missing."""
+missing. The 12-node plan is `slow`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def placement_rows(out: str) -> dict[str, list[tuple[str, str, int]]]:
     return by_role
 
 
+# `slow`: twelve simulated nodes are twelve raylets started on the test machine (about a minute
+# of the default run's 15-minute budget on 2 cores). The default run keeps the two plans below;
+# the production topology's roles are also checked without Ray in
+# tests/unit/test_config_placement.py::test_roles_for_production_topology.
+@pytest.mark.slow
 def test_production_placement_on_simulated_cluster():
     out = plan("12x4")
     assert out.returncode == 0, out.stderr[-3000:]
