@@ -21,6 +21,8 @@ model registry (`model_class_overrides` where the engine has worker processes), 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 PREFIX = "DSparkCapture"
@@ -99,6 +101,10 @@ def capture_class(arch: str) -> type:
         # connector reads [tokens, layers, hidden] rows by slot.
         self.dspark_hidden_states = CacheOnlyAttentionLayer(
             num_heads=len(layer_ids), head_size=vllm_config.model_config.get_hidden_size(),
+            # The hidden states are stored in the model's dtype whatever the attention layers'
+            # KV cache holds: vLLM's cache-only layer refuses a quantized (fp8) cache dtype, and
+            # an fp8 copy would lose what the drafter learns from.
+            cache_config=dataclasses.replace(vllm_config.cache_config, cache_dtype="auto"),
             # vLLM orders KV caches by the one integer in a layer's name: after the target's own
             # layers, as extract_hidden_states numbers its cache-only layer
             prefix=maybe_prefix(prefix, f"{CACHE_LAYER}.{vllm_config.model_config.hf_text_config.num_hidden_layers}"))

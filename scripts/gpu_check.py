@@ -7,6 +7,8 @@ failure (run through `scripts/gpu_check.sh`, which makes the environment):
   connector_cuda   the hidden-state capture's CUDA path (cluster.capture_model under CUDA
                    graphs + our connector, file backend) against transformers on the GPU:
                    cosine >= 0.999 per aux layer, as the CPU test asks
+  connector_fp8_kv the same with an fp8 KV cache (configs/kimi_k3.yaml's): the states still
+                   stored in bf16, cosine >= 0.99 (fp8 keys and values move the attention a little)
   trainer_nccl     the job's trainer on NCCL with ZeRO-2 on this GPU, fed by a replay replica
                    with the samples the connector check wrote: exactly once, a drafter exported
   serving_gpu      benchmarks/serving.py's GPU variant (the OpenAI server with and without the
@@ -32,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = sys.executable
-CHECKS = ("dspark_serving", "connector_cuda", "trainer_nccl", "serving_gpu")
+CHECKS = ("dspark_serving", "connector_cuda", "connector_fp8_kv", "trainer_nccl", "serving_gpu")
 PROMPTS = [[{"role": "user", "content": c}] for c in (
     "Name three colours of the rainbow.", "What is 12 times 7? Explain step by step.",
     "Write a short poem about a lighthouse.", "Translate 'good morning, friends' into French and Spanish.")]
@@ -72,8 +74,9 @@ def check_dspark_serving(target: str, drafter: str, work: Path) -> tuple[bool, s
     return ok, f"lossless={r['lossless']}, vLLM tau {tau:.3f} vs reference {ref:.3f}, {r['dspark']['tokens_per_s']:.0f} tok/s"
 
 
-def check_connector_cuda(target: str, work: Path) -> tuple[bool, str]:
-    """In this process: the engine's own worker process writes the files."""
+def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto") -> tuple[bool, str]:
+    """In this process: the engine's own worker process writes the files (with the default KV
+    cache dtype, the trainer check replays them)."""
     import torch
 
     from cluster.inference import InferenceActor, InferenceSettings
@@ -82,11 +85,12 @@ def check_connector_cuda(target: str, work: Path) -> tuple[bool, str]:
     from dspark.targets import hidden_states_for, load_target
 
     layer_ids = DSparkConfig.from_target(target).extract_layer_ids
-    files = work / "hs_files"
+    files = work / f"hs_files_{kv_cache_dtype}"
     shutil.rmtree(files, ignore_errors=True)
     actor = InferenceActor(InferenceSettings(target_path=target, layer_ids=layer_ids, key_prefix="gpu-check/g0",
                                              backend="file", file_dir=str(files), device="cuda", dtype="bfloat16",
                                              max_model_len=1024, max_tokens=48, gpu_memory_utilization=0.4,
+                                             kv_cache_dtype=kv_cache_dtype,
                                              enforce_eager=False))  # the capture under CUDA graphs
     produced = actor.process([{"id": f"p{i}", "messages": m} for i, m in enumerate(PROMPTS)])
     del actor
@@ -97,16 +101,22 @@ def check_connector_cuda(target: str, work: Path) -> tuple[bool, str]:
     model = model.cuda()
     worst = 1.0
     replay = work / "replay"
-    shutil.rmtree(replay, ignore_errors=True)
-    replay.mkdir()
+    if kv_cache_dtype == "auto":
+        shutil.rmtree(replay, ignore_errors=True)
+        replay.mkdir()
     for r in produced:
         s = read_sample(r.ref["path"], layer_ids)
+        if s.hidden_states.dtype != torch.bfloat16:
+            return False, f"{r.prompt_id}: hidden states stored as {s.hidden_states.dtype}, not the model's bf16"
         ref = hidden_states_for(model, s.token_ids.cuda(), layer_ids).float().cpu()
         for li in range(len(layer_ids)):
             cos = torch.nn.functional.cosine_similarity(s.hidden_states[:, li].float().flatten(), ref[:, li].flatten(), dim=0)
             worst = min(worst, float(cos))
-        shutil.copy(r.ref["path"], replay / f"{r.prompt_id}.safetensors")  # the trainer check replays these
-    return worst >= 0.999, f"{len(produced)} conversations, {len(layer_ids)} layers, worst cosine {worst:.5f}"
+        if kv_cache_dtype == "auto":
+            shutil.copy(r.ref["path"], replay / f"{r.prompt_id}.safetensors")  # the trainer check replays these
+    bound = 0.999 if kv_cache_dtype == "auto" else 0.99
+    return worst >= bound, (f"{len(produced)} conversations, {len(layer_ids)} layers, KV cache {kv_cache_dtype}, "
+                            f"worst cosine {worst:.5f}")
 
 
 def check_trainer_nccl(work: Path) -> tuple[bool, str]:
@@ -156,6 +166,7 @@ def main() -> int:
     if args.one:
         fn = {"dspark_serving": lambda: check_dspark_serving(target, drafter, work),
               "connector_cuda": lambda: check_connector_cuda(target, work),
+              "connector_fp8_kv": lambda: check_connector_cuda(target, work, "fp8"),
               "trainer_nccl": lambda: check_trainer_nccl(work),
               "serving_gpu": lambda: check_serving_gpu(target, drafter, work)}[args.one]
         ok, detail = fn()

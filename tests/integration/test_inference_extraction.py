@@ -43,6 +43,9 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
         "mooncake": Actor.remote(base),
         "file": Actor.remote(replace(base, backend="file", file_dir=str(file_dir))),
         "plain": Actor.remote(replace(base, extract=False)),
+        # The production config's fp8 KV cache (configs/kimi_k3.yaml): vLLM's cache-only layer
+        # refuses a quantized cache dtype unless the capture model gives it the model's own.
+        "fp8_kv": Actor.remote(replace(base, backend="file", file_dir=str(file_dir / "fp8"), kv_cache_dtype="fp8")),
     }
     out = {name: ray.get(a.process.remote(PROMPTS)) for name, a in actors.items()}
     stats = ray.get(actors["mooncake"].stats.remote())
@@ -76,18 +79,37 @@ def test_hidden_states_match_transformers(produced, smol_target):
             flat = torch.nn.functional.cosine_similarity(got[:, li].flatten(), ref_h[:, li].flatten(), dim=0)
             per_token = torch.nn.functional.cosine_similarity(got[:, li], ref_h[:, li], dim=-1)
             assert flat >= 0.999 and per_token.mean() >= 0.999, (layer_ids[li], float(flat), float(per_token.min()))
-        # The final pre-norm state through the target's norm + LM head gives the target's next tokens.
-        last = got[:, -1]
-        normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * heads["norm"].float()
-        logits = normed @ heads["head"].float().t()
-        gen = slice(r.prompt_tokens - 1, s.num_tokens - 1)
-        chosen = s.token_ids[r.prompt_tokens:]
-        agree.append(logits[gen].argmax(-1) == chosen)
-        # vLLM picked its tokens from bf16 logits; recomputed in fp32 from the stored bf16 state
-        # a near-tie may flip, but only a near-tie: the chosen token is within bf16 rounding
-        # of the best one (one bf16 ulp at |logit| ~ 16-32 is 0.125-0.25).
-        gap = logits[gen].max(-1).values - logits[gen].gather(-1, chosen[:, None]).squeeze(-1)
-        assert float(gap.max()) <= 0.25, gap[gap > 0].tolist()
+        agree.append(final_state_picks_the_answer(s, r.prompt_tokens, model.config.rms_norm_eps, heads))
+    assert torch.cat(agree).float().mean() >= 0.9
+
+
+def final_state_picks_the_answer(s, prompt_tokens: int, eps: float, heads: dict) -> torch.Tensor:
+    """Per answer token: the stored final pre-norm state, through the target's norm and LM head,
+    picks it."""
+    last = s.hidden_states[:, -1].float()
+    normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * heads["norm"].float()
+    logits = normed @ heads["head"].float().t()
+    gen = slice(prompt_tokens - 1, s.num_tokens - 1)
+    chosen = s.token_ids[prompt_tokens:]
+    # vLLM picked its tokens from bf16 logits; recomputed in fp32 from the stored bf16 state
+    # a near-tie may flip, but only a near-tie: the chosen token is within bf16 rounding
+    # of the best one (one bf16 ulp at |logit| ~ 16-32 is 0.125-0.25).
+    gap = logits[gen].max(-1).values - logits[gen].gather(-1, chosen[:, None]).squeeze(-1)
+    assert float(gap.max()) <= 0.25, gap[gap > 0].tolist()
+    return logits[gen].argmax(-1) == chosen
+
+
+def test_fp8_kv_cache_still_captures_the_model_dtype_states(produced, smol_target):
+    out, _, layer_ids, _ = produced
+    heads = find_target_tensors(smol_target)
+    eps = DSparkConfig.from_target(smol_target).rms_norm_eps
+    agree = []
+    for r in out["fp8_kv"]:
+        assert r.error is None and len(r.response_ids) > 1
+        s = read_sample(r.ref["path"])
+        assert s.hidden_states.dtype == torch.bfloat16 and s.hidden_states.shape[1] == len(layer_ids)
+        assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
+        agree.append(final_state_picks_the_answer(s, r.prompt_tokens, eps, heads))
     assert torch.cat(agree).float().mean() >= 0.9
 
 
