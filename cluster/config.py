@@ -97,8 +97,9 @@ class DataConfig:
     # regeneration would give the same answer anyway (greedy sampling).
     reuse_samples_across_epochs: bool | None = None
     max_prompts: int | None = None
-    # At most this many training prompts of each category (the first ones, in file order): a
-    # few large categories do not crowd out the rest when a budget (minutes) limits the prompts.
+    # At most this many training prompts of each category (a sample by id hash, spread over the
+    # category's templates; dspark.prompts.cap_per_category): a few large categories do not crowd
+    # out the rest when a budget (minutes) limits the prompts.
     max_prompts_per_category: int | None = None
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128

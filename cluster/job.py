@@ -49,7 +49,7 @@ def repo_path(src: str) -> Path:
 
 def load_prompts(cfg: JobConfig):
     """All prompt sources, de-duplicated by id, split into train / held-out."""
-    from dspark.prompts import read_conversations, split
+    from dspark.prompts import cap_per_category, read_conversations, split
 
     convs, seen = [], set()
     for src in cfg.data.prompts:
@@ -62,13 +62,7 @@ def load_prompts(cfg: JobConfig):
             convs.append(c)
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
     if cfg.data.max_prompts_per_category:
-        per_category: Counter = Counter()
-        kept = []
-        for c in train:
-            per_category[c.category] += 1
-            if per_category[c.category] <= cfg.data.max_prompts_per_category:
-                kept.append(c)
-        train = kept
+        train = cap_per_category(train, cfg.data.max_prompts_per_category, cfg.data.split_seed)
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
     if not train:

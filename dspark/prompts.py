@@ -125,14 +125,32 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], ReadReport
     return convs, report
 
 
-def is_heldout(conv_id: str, heldout_fraction: float, seed: int = 0, purpose: str = "eval") -> bool:
-    """Deterministic split by a hash of the id: stable across runs, machines and file order.
+def id_hash(conv_id: str, seed: int = 0, purpose: str = "eval") -> float:
+    """A uniform number in [0, 1) from the id: stable across runs, machines and file order.
+    `purpose` salts it, so that choices made for different reasons are independent."""
+    return int.from_bytes(hashlib.sha256(f"{purpose}:{seed}:{conv_id}".encode()).digest()[:8], "big") / 2**64
 
-    `purpose` salts the hash so that splits made for different reasons (the evaluation
-    prompts, the trainer's calibration samples) are independent of each other.
+
+def is_heldout(conv_id: str, heldout_fraction: float, seed: int = 0, purpose: str = "eval") -> bool:
+    """Deterministic split by a hash of the id (the evaluation prompts, the trainer's
+    calibration samples: each `purpose` its own)."""
+    return id_hash(conv_id, seed, purpose) < heldout_fraction
+
+
+def cap_per_category(convs: list[Conversation], max_per_category: int, seed: int = 0) -> list[Conversation]:
+    """At most `max_per_category` conversations of each category, the kept ones in their order.
+
+    Which ones: those whose ids hash lowest, a sample spread over the whole category. Prompt
+    files list a category template by template, so its first N in file order would be one or
+    two templates (the default set's first 24 coding prompts are all "In <language>, how
+    would I write code that ...?").
     """
-    h = int.from_bytes(hashlib.sha256(f"{purpose}:{seed}:{conv_id}".encode()).digest()[:8], "big")
-    return h / 2**64 < heldout_fraction
+    by_category: dict[str | None, list[Conversation]] = {}
+    for c in convs:
+        by_category.setdefault(c.category, []).append(c)
+    kept = {c.id for group in by_category.values()
+            for c in sorted(group, key=lambda c: id_hash(c.id, seed, "cap"))[:max_per_category]}
+    return [c for c in convs if c.id in kept]
 
 
 def split(convs: list[Conversation], heldout_fraction: float, seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:

@@ -11,17 +11,26 @@ import pytest
 
 from cluster.config import ConfigError, load_config
 from cluster.job import check_eval_sets, load_prompts
+from dspark.prompts import cap_per_category
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_max_prompts_per_category_caps_each_category_in_file_order():
+def test_max_prompts_per_category_caps_each_category_with_a_spread_sample():
     full, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=null"]))
     capped, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=7"]))
     per_category = Counter(c.category for c in full)
     assert Counter(c.category for c in capped) == {k: min(n, 7) for k, n in per_category.items()}
-    for cat in per_category:  # the first ones of each category, in their order
-        assert [c.id for c in capped if c.category == cat] == [c.id for c in full if c.category == cat][:7]
+    position = {c.id: i for i, c in enumerate(full)}
+    assert [position[c.id] for c in capped] == sorted(position[c.id] for c in capped)  # kept in their order
+    # Chosen by the ids' hashes, independently of file order: the same ones from a reversed list.
+    assert cap_per_category(full[::-1], 7) == capped[::-1]
+    # Spread over the category, where the file lists it template by template: the 24 coding
+    # prompts kept by the local config open in more ways than the first 24's two templates.
+    coding = [c for c in full if c.category == "coding"]
+    assert len({c.prompt_messages[0]["content"].split()[0] for c in coding[:24]}) <= 2
+    kept, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", []))
+    assert len({c.prompt_messages[0]["content"].split()[0] for c in kept if c.category == "coding"}) >= 4
 
 
 def test_eval_sets_must_exist_and_never_overlap_training(tmp_path):
