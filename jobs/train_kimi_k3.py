@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.config import ConfigError, load_config  # noqa: E402
 
+SIMULATED_NODES_TIMEOUT_S = 180
+
 
 def plan(cfg, simulate: str | None) -> int:
     import ray
@@ -37,10 +39,17 @@ def plan(cfg, simulate: str | None) -> int:
         for _ in range(n):  # started side by side (each is a raylet and its agents), then awaited together
             cluster.add_node(wait=False, num_cpus=64, num_gpus=g)
         ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes(timeout=180)
     else:
         ray.init()
     try:
+        if cluster is not None:
+            try:
+                cluster.wait_for_nodes(timeout=SIMULATED_NODES_TIMEOUT_S)
+            except TimeoutError:  # Ray's own message does not say how many, nor how long
+                joined = sum(1 for node in ray.nodes() if node["Alive"]) - 1  # less the head
+                print(f"--simulate {simulate}: {joined} of {n} simulated nodes joined within "
+                      f"{SIMULATED_NODES_TIMEOUT_S} s (each is a raylet started on this machine)", file=sys.stderr)
+                return 2
         placed = place_all(cfg)
         print(describe(placed))
         release(placed)
