@@ -1,7 +1,8 @@
 """The inference side with real parts: vLLM (CPU) in Ray actors, a real mooncake_master, the
 real SmolLM2 target. Hidden states read back from the store match transformers', the final
-layer reproduces the target's next tokens, the loss mask is exactly the assistant text, and
-extraction does not change what the target generates."""
+layer reproduces the target's next tokens, the loss mask is exactly the assistant text,
+extraction does not change what the target generates, and under an fp8 KV cache the states are
+still captured in the model's dtype."""
 
 from __future__ import annotations
 
