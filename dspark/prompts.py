@@ -142,8 +142,8 @@ def cap_per_category(convs: list[Conversation], max_per_category: int, seed: int
 
     Which ones: those whose ids hash lowest, a sample spread over the whole category. Prompt
     files list a category template by template, so its first N in file order would be one or
-    two templates (the default set's first 24 coding prompts are all "In <language>, how
-    would I write code that ...?").
+    two templates (23 of the default set's first 24 coding training prompts are "In <language>,
+    how would I write code that ...?").
     """
     by_category: dict[str | None, list[Conversation]] = {}
     for c in convs:
