@@ -141,9 +141,9 @@ def cap_per_category(convs: list[Conversation], max_per_category: int, seed: int
     """At most `max_per_category` conversations of each category, the kept ones in their order.
 
     Which ones: those whose ids hash lowest, a sample spread over the whole category. Prompt
-    files list a category template by template, so its first N in file order would be one or
-    two templates (23 of the default set's first 24 coding training prompts are "In <language>,
-    how would I write code that ...?").
+    files list a category template by template, so its first N in file order would be a few
+    templates (19 of the default set's first 24 coding training prompts are "In <language>, how
+    would I write code that ...?", the other 5 "Show me a clean <language> implementation ...").
     """
     by_category: dict[str | None, list[Conversation]] = {}
     for c in convs:
