@@ -125,9 +125,9 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], ReadReport
     return convs, report
 
 
-def id_hash(conv_id: str, seed: int = 0, purpose: str = "eval") -> float:
+def id_hash(conv_id: str, seed: int, purpose: str) -> float:
     """A uniform number in [0, 1) from the id: stable across runs, machines and file order.
-    `purpose` salts it, so that choices made for different reasons are independent."""
+    `purpose` salts it, so that choices made for different reasons (held out, capped) are independent."""
     return int.from_bytes(hashlib.sha256(f"{purpose}:{seed}:{conv_id}".encode()).digest()[:8], "big") / 2**64
 
 
