@@ -14,9 +14,11 @@ on two nodes, Ray as the distributed executor).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from cluster.capture_model import capture_engine_kwargs
 from cluster.producer import Producer
@@ -65,12 +67,27 @@ class Produced:
     error: str | None = None
 
 
+def uses_mla(target_path: str) -> bool:
+    """Whether the target's attention is multi-head latent attention (DeepSeek-V3, Kimi K2/K3),
+    read from its config.json (no remote code); a multimodal config nests it under text_config."""
+    path = Path(target_path) / "config.json"
+    if not path.exists():  # a hub name: vLLM resolves it, and its own selection stands
+        return False
+    cfg = json.loads(path.read_text())
+    return bool(cfg.get("kv_lora_rank") or (cfg.get("text_config") or {}).get("kv_lora_rank"))
+
+
 def engine_kwargs(s: InferenceSettings) -> dict:
     kwargs = dict(
         model=s.target_path, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
         enforce_eager=s.enforce_eager, tensor_parallel_size=s.tensor_parallel_size, kv_cache_dtype=s.kv_cache_dtype,
         seed=0, trust_remote_code=s.trust_remote_code,
     )
+    if s.device == "cpu" and s.dtype != "bfloat16" and uses_mla(s.target_path):
+        # On a CPU with AMX, vLLM serves multi-head latent attention with its AMX backend, which
+        # takes bf16 weights only ("expect weight to be bfloat16, float16, int8, ..." at load);
+        # its reference CPU backend runs every dtype (and is what non-AMX CPUs get anyway).
+        kwargs.update(attention_backend="CPU_MLA")
     if s.device == "cuda":
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization)
         if s.tensor_parallel_size > 1:

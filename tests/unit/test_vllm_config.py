@@ -52,3 +52,27 @@ def test_vllm_reads_dflash_export_as_non_causal(tiny_target, tmp_path):
     hf = SpeculatorsConfig.from_pretrained(str(tmp_path / "d"))
     assert hf.dflash_config["sample_from_anchor"] is False
     assert hf.dflash_config["causal"] is False  # full-attention draft layers see their whole block
+
+
+def test_latent_attention_targets_outside_bf16_get_the_reference_cpu_backend(tmp_path):
+    # vLLM's AMX backend for multi-head latent attention takes bf16 weights only, and vLLM picks
+    # it on every AMX CPU; test_families' DeepSeek-V3 case (fp32) is what fails without this.
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from cluster.inference import InferenceSettings, engine_kwargs
+
+    def target(name: str, config: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return str(tmp_path / name)
+
+    def backend(path: str, **kw) -> str | None:
+        return engine_kwargs(InferenceSettings(path, [1, 2], "run/g0", extract=False, **kw)).get("attention_backend")
+
+    mla, nested = target("mla", {"kv_lora_rank": 512}), target("nested", {"text_config": {"kv_lora_rank": 512}})
+    plain = target("plain", {"num_key_value_heads": 4})
+    assert backend(mla, dtype="float32") == backend(nested, dtype="float32") == "CPU_MLA"
+    assert AttentionBackendEnum["CPU_MLA"]  # a name this vLLM knows
+    assert backend(mla, dtype="bfloat16") is None  # the AMX backend's own dtype: vLLM chooses
+    assert backend(mla, dtype="float32", device="cuda") is None
+    assert backend(plain, dtype="float32") is None
