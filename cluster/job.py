@@ -142,6 +142,7 @@ class TrainingJob:
             len(self.layer_ids) * tcfg.hidden_size * (4 if self.cfg.target.dtype == "float32" else 2) + 5)
         self.train_prompts, self.heldout = load_prompts(self.cfg)
         check_eval_sets(self.cfg, self.train_prompts)
+        self.check_resume_plan()
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
@@ -416,6 +417,30 @@ class TrainingJob:
         return False
 
     # ---- start, resume, checkpoint, resize ---------------------------------------------------
+    def check_resume_plan(self) -> None:
+        """Refuse, before any actor starts, a resume whose checkpoint trained samples this config
+        no longer plans: changed prompt files, `data.max_prompts(_per_category)`, held-out split
+        or fewer epochs. The ledger would drop them and train another set under the old record
+        (or, with a changed split, may have trained on prompts now evaluated). A plan that only
+        adds samples (more epochs, another prompt file) resumes."""
+        from cluster.config import ConfigError
+        from cluster.ledger import done_outside
+
+        ckpt = self.checkpoints.latest() if self.cfg.trainer.resume != "never" else None
+        if ckpt is None:
+            return
+        plan = {f"{c.id}@{e}" for c in self.train_prompts for e in range(self.cfg.data.epochs)}
+        outside = done_outside(json.loads((ckpt / "ledger.json").read_text()), plan)
+        if not outside:
+            return
+        heldout = {c.id for c in self.heldout} & {u.rsplit("@", 1)[0] for u in outside}
+        raise ConfigError(
+            f"{ckpt} trained {len(outside)} samples this config does not plan to train (e.g. {', '.join(outside[:3])})"
+            + (f"; {len(heldout)} of their prompts are now held out for evaluation" if heldout else "")
+            + ": the prompt files, data.max_prompts, data.max_prompts_per_category, data.heldout_fraction, "
+            "data.split_seed or data.epochs differ from the run that wrote it. Restore them to resume, or start "
+            "afresh with trainer.resume=never (earlier checkpoints are moved aside).")
+
     def restore_data_state(self) -> Path | None:
         """The checkpoint to resume from, with the ledger and the training record already set back
         to it (samples it did not commit leave the store); or a fresh start (earlier checkpoints of

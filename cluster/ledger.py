@@ -92,6 +92,13 @@ class LedgerError(RuntimeError):
     pass
 
 
+def done_outside(state: dict, plan: set[str]) -> list[str]:
+    """Sample ids (`prompt@epoch`) a saved ledger state trained that `plan` (the ids a ledger
+    would now be built with) does not hold: what `load_state_dict` would silently drop."""
+    return sorted(uid for uid, d in ((f"{d['prompt_id']}@{d['epoch']}", d) for d in state["entries"])
+                  if d["state"] == TRAINED and uid not in plan)
+
+
 def balance(items: list[tuple[str, int]], parts: int) -> list[list[str]]:
     """Split (uid, tokens) into `parts` lists with near-equal token sums (largest first)."""
     bins: list[list[str]] = [[] for _ in range(parts)]

@@ -46,3 +46,49 @@ def test_eval_sets_must_exist_and_never_overlap_training(tmp_path):
     cfg.data.eval_sets = {"gone": str(tmp_path / "missing.jsonl")}
     with pytest.raises(ConfigError, match="data.eval_sets.gone.*does not exist"):
         check_eval_sets(cfg, train)
+
+
+def saved_checkpoint(root: Path, ledger_state: dict) -> None:
+    """A checkpoint whole enough for `CheckpointDir.latest()`, with this ledger state."""
+    ckpt = root / "checkpoints" / "step-000001"
+    (ckpt / "drafter").mkdir(parents=True)
+    (ckpt / "trainer").mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1, "record_rows": 0}))
+    (ckpt / "ledger.json").write_text(json.dumps(ledger_state))
+    (ckpt / "drafter" / "config.json").write_text("{}")
+    (ckpt / "drafter" / "model.safetensors").write_bytes(b"x")
+    (ckpt / "trainer" / "latest").write_text("global_step1")
+
+
+def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
+    from cluster.job import TrainingJob
+    from cluster.ledger import SampleLedger
+
+    def job(*overrides):
+        cfg = load_config(ROOT / "configs" / "local.yaml",
+                          [f"output_dir={tmp_path}", "run_name=r", "logging.wandb_mode=disabled", *overrides])
+        j = TrainingJob(cfg)
+        j.train_prompts, j.heldout = load_prompts(cfg)
+        return j
+
+    first = job("data.max_prompts_per_category=4", "data.epochs=2")
+    ledger = SampleLedger([{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2)
+    handed = ledger.request_prompts("r0", 1000)
+    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
+    ledger.lease_step(1, ["g0"], 10**6)  # every epoch-0 sample in one step, trained once it commits
+    saved_checkpoint(first.run_dir, ledger.checkpoint_state(1))
+
+    first.check_resume_plan()  # the same plan
+    job("data.max_prompts_per_category=4", "data.epochs=3").check_resume_plan()  # a plan that only adds
+    job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan()  # a fresh start
+    trained = {c.id for c in first.train_prompts}
+    fewer = job("data.max_prompts_per_category=3", "data.epochs=2")
+    dropped = sorted(f"{i}@0" for i in trained - {c.id for c in fewer.train_prompts})
+    with pytest.raises(ConfigError, match=rf"trained {len(dropped)} samples .*\(e\.g\. {dropped[0]}.*trainer\.resume=never"):
+        fewer.check_resume_plan()
+    # Another held-out split: some trained prompts are now evaluated, and the message says so.
+    resplit = job("data.max_prompts_per_category=4", "data.epochs=2", "data.split_seed=1")
+    now_heldout = trained & {c.id for c in resplit.heldout}
+    assert now_heldout
+    with pytest.raises(ConfigError, match=rf"{len(now_heldout)} of their prompts are now held out"):
+        resplit.check_resume_plan()
