@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = sys.executable
+REPLAY_PASSED = "PASSED"  # written by connector_cuda beside the samples it checked, when they passed
 CHECKS = ("dspark_serving", "connector_cuda", "connector_fp8_kv", "trainer_nccl", "serving_gpu")
 PROMPTS = [[{"role": "user", "content": c}] for c in (
     "Name three colours of the rainbow.", "What is 12 times 7? Explain step by step.",
@@ -102,8 +103,7 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto") 
     worst = 1.0
     replay = work / "replay"
     if kv_cache_dtype == "auto":
-        shutil.rmtree(replay, ignore_errors=True)
-        replay.mkdir()
+        shutil.rmtree(replay, ignore_errors=True)  # no earlier run's samples for the trainer check
     for r in produced:
         s = read_sample(r.ref["path"], layer_ids)
         if s.hidden_states.dtype != torch.bfloat16:
@@ -112,17 +112,20 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto") 
         for li in range(len(layer_ids)):
             cos = torch.nn.functional.cosine_similarity(s.hidden_states[:, li].float().flatten(), ref[:, li].flatten(), dim=0)
             worst = min(worst, float(cos))
-        if kv_cache_dtype == "auto":
-            shutil.copy(r.ref["path"], replay / f"{r.prompt_id}.safetensors")  # the trainer check replays these
     bound = 0.999 if kv_cache_dtype == "auto" else 0.99
-    return worst >= bound, (f"{len(produced)} conversations, {len(layer_ids)} layers, KV cache {kv_cache_dtype}, "
-                            f"worst cosine {worst:.5f}")
+    detail = f"{len(produced)} conversations, {len(layer_ids)} layers, KV cache {kv_cache_dtype}, worst cosine {worst:.5f}"
+    if kv_cache_dtype == "auto" and worst >= bound:  # the trainer check replays these, and only states that passed
+        replay.mkdir()
+        for r in produced:
+            shutil.copy(r.ref["path"], replay / f"{r.prompt_id}.safetensors")
+        (replay / REPLAY_PASSED).write_text(detail + "\n")
+    return worst >= bound, detail
 
 
 def check_trainer_nccl(work: Path) -> tuple[bool, str]:
     replay = work / "replay"
-    if not any(replay.glob("*.safetensors")):
-        return False, "no replay samples (connector_cuda must pass first)"
+    if not (replay / REPLAY_PASSED).exists():
+        return False, "no replay samples from a connector_cuda check that passed in this --work directory"
     log = work / "trainer_nccl.log"
     proc = run([PY, "jobs/train_kimi_k3.py", "--config", "configs/local.yaml", "run_name=gpu-check", f"output_dir={work}",
                 "device=cuda", "topology.groups.0.gpus_per_node=1", "inference.backend=replay",
