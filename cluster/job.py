@@ -424,13 +424,13 @@ class TrainingJob:
         (or, with a changed split, may have trained on prompts now evaluated). A plan that only
         adds samples (more epochs, another prompt file) resumes."""
         from cluster.config import ConfigError
-        from cluster.ledger import done_outside
+        from cluster.ledger import trained_outside
 
         ckpt = self.checkpoints.latest() if self.cfg.trainer.resume != "never" else None
         if ckpt is None:
             return
         plan = {f"{c.id}@{e}" for c in self.train_prompts for e in range(self.cfg.data.epochs)}
-        outside = done_outside(json.loads((ckpt / "ledger.json").read_text()), plan)
+        outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()), plan)
         if not outside:
             return
         heldout = {c.id for c in self.heldout} & {u.rsplit("@", 1)[0] for u in outside}

@@ -92,7 +92,7 @@ class LedgerError(RuntimeError):
     pass
 
 
-def done_outside(state: dict, plan: set[str]) -> list[str]:
+def trained_outside(state: dict, plan: set[str]) -> list[str]:
     """Sample ids (`prompt@epoch`) a saved ledger state trained that `plan` (the ids a ledger
     would now be built with) does not hold: what `load_state_dict` would silently drop."""
     return sorted(uid for uid, d in ((f"{d['prompt_id']}@{d['epoch']}", d) for d in state["entries"])
