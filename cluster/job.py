@@ -117,6 +117,7 @@ class TrainingJob:
         self.pools: dict = {}
         self.placed: list = []
         self.trainer_pgs: list = []
+        self.resume_candidate: Path | None = None  # the checkpoint a resume would start from
         self.resume_from: Path | None = None
         self.uncommitted: list[dict] = []  # lease rows since the last commit (calibration reads the last ones)
         self.events: list[str] = []
@@ -422,11 +423,15 @@ class TrainingJob:
         no longer plans: changed prompt files, `data.max_prompts(_per_category)`, held-out split
         or fewer epochs. The ledger would drop them and train another set under the old record
         (or, with a changed split, may have trained on prompts now evaluated). A plan that only
-        adds samples (more epochs, another prompt file) resumes."""
+        adds samples (more epochs, another prompt file) resumes. `trainer.resume=always` with no
+        whole checkpoint is refused here too."""
         from cluster.config import ConfigError
         from cluster.ledger import trained_outside
 
-        ckpt = self.checkpoints.latest() if self.cfg.trainer.resume != "never" else None
+        t = self.cfg.trainer
+        ckpt = self.resume_candidate = self.checkpoints.latest() if t.resume != "never" else None
+        if t.resume == "always" and ckpt is None:
+            raise ConfigError(f"config error at `trainer.resume`: always, but no whole checkpoint under {self.checkpoints.root}")
         if ckpt is None:
             return
         plan = {f"{c.id}@{e}" for c in self.train_prompts for e in range(self.cfg.data.epochs)}
@@ -445,10 +450,7 @@ class TrainingJob:
         """The checkpoint to resume from, with the ledger and the training record already set back
         to it (samples it did not commit leave the store); or a fresh start (earlier checkpoints of
         this run name moved aside, no record)."""
-        t = self.cfg.trainer
-        resume = self.checkpoints.latest() if t.resume != "never" else None
-        if t.resume == "always" and resume is None:
-            raise RuntimeError(f"trainer.resume=always but no checkpoint under {self.checkpoints.root}")
+        resume = self.resume_candidate  # found, and checked against the plan, by check_resume_plan
         if resume is None:
             moved = self.checkpoints.archive()  # a fresh run must not rotate into an old run's steps
             if moved:

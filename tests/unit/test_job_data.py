@@ -64,9 +64,9 @@ def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
     from cluster.job import TrainingJob
     from cluster.ledger import SampleLedger
 
-    def job(*overrides):
+    def job(*overrides, run="r"):
         cfg = load_config(ROOT / "configs" / "local.yaml",
-                          [f"output_dir={tmp_path}", "run_name=r", "logging.wandb_mode=disabled", *overrides])
+                          [f"output_dir={tmp_path}", f"run_name={run}", "logging.wandb_mode=disabled", *overrides])
         j = TrainingJob(cfg)
         j.train_prompts, j.heldout = load_prompts(cfg)
         return j
@@ -92,3 +92,5 @@ def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
     assert now_heldout
     with pytest.raises(ConfigError, match=rf"{len(now_heldout)} of their prompts are now held out"):
         resplit.check_resume_plan()
+    with pytest.raises(ConfigError, match="trainer.resume.*no whole checkpoint"):
+        job("trainer.resume=always", run="never-ran").check_resume_plan()
