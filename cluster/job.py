@@ -434,8 +434,8 @@ class TrainingJob:
             raise ConfigError(f"config error at `trainer.resume`: always, but no whole checkpoint under {self.checkpoints.root}")
         if ckpt is None:
             return
-        plan = {f"{c.id}@{e}" for c in self.train_prompts for e in range(self.cfg.data.epochs)}
-        outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()), plan)
+        outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()),
+                                  {c.id for c in self.train_prompts}, self.cfg.data.epochs)
         if not outside:
             return
         heldout = {c.id for c in self.heldout} & {u.rsplit("@", 1)[0] for u in outside}

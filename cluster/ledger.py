@@ -92,11 +92,11 @@ class LedgerError(RuntimeError):
     pass
 
 
-def trained_outside(state: dict, plan: set[str]) -> list[str]:
-    """Sample ids (`prompt@epoch`) a saved ledger state trained that `plan` (the ids a ledger
-    would now be built with) does not hold: what `load_state_dict` would silently drop."""
-    return sorted(uid for uid, d in ((f"{d['prompt_id']}@{d['epoch']}", d) for d in state["entries"])
-                  if d["state"] == TRAINED and uid not in plan)
+def trained_outside(state: dict, prompt_ids: set[str], epochs: int) -> list[str]:
+    """Sample ids (`prompt@epoch`) a saved ledger state trained that a ledger of these prompts
+    and epochs would not hold: what `load_state_dict` would silently drop."""
+    return sorted(f"{d['prompt_id']}@{d['epoch']}" for d in state["entries"]
+                  if d["state"] == TRAINED and (d["prompt_id"] not in prompt_ids or d["epoch"] >= epochs))
 
 
 def balance(items: list[tuple[str, int]], parts: int) -> list[list[str]]:

@@ -72,20 +72,24 @@ def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
         return j
 
     first = job("data.max_prompts_per_category=4", "data.epochs=2")
-    ledger = SampleLedger([{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2)
+    ledger = SampleLedger([{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2,
+                          reuse_across_epochs=True)
     handed = ledger.request_prompts("r0", 1000)
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
-    ledger.lease_step(1, ["g0"], 10**6)  # every epoch-0 sample in one step, trained once it commits
-    saved_checkpoint(first.run_dir, ledger.checkpoint_state(1))
+    for step in (1, 2):  # every sample of an epoch in one step, trained once it commits
+        ledger.lease_step(step, ["g0"], 10**6)
+    saved_checkpoint(first.run_dir, ledger.checkpoint_state(2))
 
     first.check_resume_plan()  # the same plan
     job("data.max_prompts_per_category=4", "data.epochs=3").check_resume_plan()  # a plan that only adds
     job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan()  # a fresh start
     trained = {c.id for c in first.train_prompts}
     fewer = job("data.max_prompts_per_category=3", "data.epochs=2")
-    dropped = sorted(f"{i}@0" for i in trained - {c.id for c in fewer.train_prompts})
+    dropped = sorted(f"{i}@{e}" for i in trained - {c.id for c in fewer.train_prompts} for e in (0, 1))
     with pytest.raises(ConfigError, match=rf"trained {len(dropped)} samples .*\(e\.g\. {dropped[0]}.*trainer\.resume=never"):
         fewer.check_resume_plan()
+    with pytest.raises(ConfigError, match=rf"trained {len(trained)} samples .*@1"):  # fewer epochs: epoch 1's
+        job("data.max_prompts_per_category=4", "data.epochs=1").check_resume_plan()
     # Another held-out split: some trained prompts are now evaluated, and the message says so.
     resplit = job("data.max_prompts_per_category=4", "data.epochs=2", "data.split_seed=1")
     now_heldout = trained & {c.id for c in resplit.heldout}
