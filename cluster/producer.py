@@ -21,7 +21,9 @@ class Producer:
     def serve(self, ledger, batch_size: int, idle_s: float = 0.2, ledger_timeout_s: float = 60.0) -> dict:
         import ray
 
-        self._stopping = False
+        # The flag is not reset here: `stop` may run before this starts (a replica replaced just
+        # as the job ends gets both calls queued, and a threaded actor runs them in any order);
+        # resetting it would serve until the pool's drain deadline.
         while not self._stopping:
             prompts = ray.get(ledger.request_prompts.remote(self.replica_id, batch_size, self.group), timeout=ledger_timeout_s)
             if not prompts:
