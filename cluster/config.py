@@ -199,6 +199,10 @@ class TrainerConfig:
     # machine's cores. A rank that shares its node with a replica leaves it the cores until then.
     torch_threads_when_idle: int | None = None
     throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
+    # CPU ranks: libraries preloaded into each rank's process, as into a replica's
+    # (`inference.preload`): a step took 0.596 s instead of 0.658 s with both on a 2-core AMD EPYC
+    # (benchmarks/trainer_step.py, cached variant, 2 threads).
+    preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
     # past it the world counts as failed (a hung rank), like a dead one.
     call_timeout_s: float = 900.0
@@ -427,7 +431,7 @@ RANGES = {
     "inference.restart_backoff_s": NON_NEGATIVE,
     "inference.first_samples_timeout_s": POSITIVE,
 }
-PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload (cluster/hardware.py)
+PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload, trainer.preload (cluster/hardware.py)
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
 
@@ -480,9 +484,10 @@ def validate(cfg: JobConfig) -> None:
             if g.trainer_ranks_per_node > g.gpus_per_node:
                 raise ConfigError(f"config error at `{where}.trainer_ranks_per_node`: {g.trainer_ranks_per_node} ranks "
                                   f"(one GPU each) on nodes of {g.gpus_per_node} GPUs")
-    unknown = sorted(set(cfg.inference.preload) - set(PRELOADABLE))
-    if unknown:
-        raise ConfigError(f"config error at `inference.preload`: {unknown} not among {list(PRELOADABLE)}")
+    for where, names in (("inference.preload", cfg.inference.preload), ("trainer.preload", cfg.trainer.preload)):
+        unknown = sorted(set(names) - set(PRELOADABLE))
+        if unknown:
+            raise ConfigError(f"config error at `{where}`: {unknown} not among {list(PRELOADABLE)}")
     if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
         raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
 

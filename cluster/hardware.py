@@ -67,3 +67,19 @@ def preload_libraries(names: tuple[str, ...] = ("tcmalloc", "iomp")) -> list[str
     if "iomp" in names and platform.machine() in ("x86_64", "AMD64") and iomp.exists():
         found.append(str(iomp))
     return found
+
+
+def cpu_process_env(preload: tuple[str, ...], omp_threads: int | None = None) -> dict[str, str]:
+    """The environment of a CPU process that runs torch or vLLM (a replica, a trainer rank, the
+    reference evaluation): `preload` libraries found (`preload_libraries`) and its OpenMP threads."""
+    env, libs = {}, preload_libraries(preload)
+    if libs:
+        env["LD_PRELOAD"] = ":".join(libs)
+    if any("iomp" in lib for lib in libs):
+        # Intel OpenMP's threads spin 200 ms after each parallel region by default, taking the
+        # core from the process beside them (a trainer rank beside a replica); vLLM's own CPU
+        # launcher sets 5 ms.
+        env["KMP_BLOCKTIME"] = "5"
+    if omp_threads:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    return env

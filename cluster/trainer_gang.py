@@ -28,10 +28,11 @@ class TrainerFailure(RuntimeError):
 
 
 class TrainerGang:
-    def __init__(self, settings: TrainerSettings, run_name: str) -> None:
+    def __init__(self, settings: TrainerSettings, run_name: str, env: dict[str, str] | None = None) -> None:
         import ray
 
         self.ray, self.settings, self.run_name = ray, settings, run_name
+        self.env = env  # of every rank's process (CPU: preloaded libraries)
         self.timeout = settings.trainer.call_timeout_s
         self.ranks: list = []
         self.rank_groups: list[str] = []  # group of each rank
@@ -83,6 +84,7 @@ class TrainerGang:
                 num_cpus=p.spec.bundles[b].get("CPU", 1), num_gpus=p.spec.bundles[b].get("GPU", 0),
                 name=f"{self.run_name}-rank{r}.{self.generation}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(p.pg, placement_group_bundle_index=b),
+                runtime_env={"env_vars": self.env} if self.env else None,
             ).remote(r, world, p.spec.group, self.settings)
             for r, (p, b) in enumerate(slots)
         ]

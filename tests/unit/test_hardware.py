@@ -67,3 +67,23 @@ def test_cpu_threads_from_the_machine():
     gpu.inference.cpu_threads = None
     resolve_for_machine(gpu, eight)
     assert gpu.inference.cpu_threads is None
+
+
+def test_cpu_process_env(monkeypatch):
+    """What a CPU process that runs torch gets: the libraries found, Intel OpenMP's spin cut to
+    5 ms only where it is preloaded, its threads only when given."""
+    import cluster.hardware as hw
+
+    found = {"tcmalloc": "/usr/lib/libtcmalloc_minimal.so.4", "iomp": "/venv/lib/libiomp5.so"}
+    monkeypatch.setattr(hw, "preload_libraries", lambda names: [found[n] for n in names if n in found])
+    assert hw.cpu_process_env(("tcmalloc", "iomp"), 4) == {
+        "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so", "KMP_BLOCKTIME": "5", "OMP_NUM_THREADS": "4"}
+    assert hw.cpu_process_env(("tcmalloc",)) == {"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}
+    del found["iomp"]  # not installed: nothing about it
+    assert hw.cpu_process_env(("iomp",)) == {}
+
+
+@pytest.mark.parametrize("key", ["inference.preload", "trainer.preload"])
+def test_unknown_preload_is_a_config_error(key):
+    with pytest.raises(ConfigError, match=rf"`{key}`: \['jemalloc'\] not among"):
+        load_config(ROOT / "configs" / "local.yaml", [f"{key}=[jemalloc]"])
