@@ -641,10 +641,10 @@ class TrainingJob:
         else:
             # Every core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this subprocess
             # would inherit (one thread made the local job's evaluation ~1.8x slower), and the
-            # producers and the trainer are done.
-            # CPU: with the replicas' preloaded libraries, for it runs the target too (the local
-            # job's evaluation took 65 s instead of 74 s with them on a 2-core AMD EPYC).
-            env = {**os.environ, **(cpu_process_env(tuple(self.cfg.inference.preload)) if self.cfg.device == "cpu" else {})}
+            # producers and the trainer are done. On CPU it runs the target as a replica does,
+            # with its environment (the local job's evaluation took 65 s instead of 74 s with the
+            # preloaded libraries on a 2-core AMD EPYC).
+            env = {**os.environ, **(self.cpu_engine_env() or {})}
             cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.target_path, "--drafter", drafter,
                    "--max-new-tokens", str(self.cfg.data.eval_max_new_tokens), "--threads", str(read_cpu().cores)]
             for prompts, out in sets.values():
