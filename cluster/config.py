@@ -101,6 +101,9 @@ class DataConfig:
     # category's templates; dspark.prompts.cap_per_category): a few large categories do not crowd
     # out the rest when a budget (minutes) limits the prompts.
     max_prompts_per_category: int | None = None
+    # Caps for named categories, in place of max_prompts_per_category for them: category -> most
+    # kept (a budget spent where the prompts look like what users ask).
+    category_caps: dict[str, int] = field(default_factory=dict)
     eval_limit: int | None = 40
     eval_max_new_tokens: int = 128
     eval_timeout_s: float = 1800.0  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
@@ -447,6 +450,9 @@ def validate(cfg: JobConfig) -> None:
         value = OmegaConf.select(node, key)
         if value is not None and not allowed_range.holds(value):
             raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range})")
+    for category, cap in cfg.data.category_caps.items():
+        if not AT_LEAST_1.holds(cap):
+            raise ConfigError(f"config error at `data.category_caps.{category}`: {cap!r} is out of range (must be {AT_LEAST_1})")
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")

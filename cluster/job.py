@@ -61,8 +61,16 @@ def load_prompts(cfg: JobConfig):
             seen.add(c.id)
             convs.append(c)
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
-    if cfg.data.max_prompts_per_category:
-        train = cap_per_category(train, cfg.data.max_prompts_per_category, cfg.data.split_seed)
+    unknown = sorted(set(cfg.data.category_caps) - {c.category for c in train})
+    if unknown:  # a misspelt category would cap nothing, silently
+        from cluster.config import ConfigError
+
+        raise ConfigError(f"config error at `data.category_caps`: no training prompt of data.prompts has "
+                          f"category {', '.join(map(repr, unknown))} (they have "
+                          f"{', '.join(sorted({str(c.category) for c in train}))})")
+    if cfg.data.max_prompts_per_category or cfg.data.category_caps:
+        train = cap_per_category(train, cfg.data.max_prompts_per_category, cfg.data.split_seed,
+                                 cfg.data.category_caps)
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
     if not train:

@@ -137,8 +137,10 @@ def is_heldout(conv_id: str, heldout_fraction: float, seed: int = 0, purpose: st
     return id_hash(conv_id, seed, purpose) < heldout_fraction
 
 
-def cap_per_category(convs: list[Conversation], max_per_category: int, seed: int = 0) -> list[Conversation]:
-    """At most `max_per_category` conversations of each category, the kept ones in their order.
+def cap_per_category(convs: list[Conversation], max_per_category: int | None, seed: int = 0,
+                     caps: dict[str, int] | None = None) -> list[Conversation]:
+    """At most `max_per_category` conversations of each category (`caps[category]` for those it
+    names; None: no cap for the others), the kept ones in their order.
 
     Which ones: those whose ids hash lowest, a sample spread over the whole category. Prompt
     files list a category template by template, so its first N in file order would be a few
@@ -148,8 +150,9 @@ def cap_per_category(convs: list[Conversation], max_per_category: int, seed: int
     by_category: dict[str | None, list[Conversation]] = {}
     for c in convs:
         by_category.setdefault(c.category, []).append(c)
-    kept = {c.id for group in by_category.values()
-            for c in sorted(group, key=lambda c: id_hash(c.id, seed, "cap"))[:max_per_category]}
+    caps = caps or {}
+    kept = {c.id for category, group in by_category.items()
+            for c in sorted(group, key=lambda c: id_hash(c.id, seed, "cap"))[:caps.get(category, max_per_category)]}
     return [c for c in convs if c.id in kept]
 
 

@@ -33,6 +33,26 @@ def test_max_prompts_per_category_caps_each_category_with_a_spread_sample():
     assert len({c.prompt_messages[0]["content"].split()[0] for c in kept if c.category == "coding"}) >= 4
 
 
+def test_category_caps_replace_the_common_cap_for_the_categories_they_name():
+    full, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=null"]))
+    per_category = Counter(c.category for c in full)
+    capped, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", [
+        "data.max_prompts_per_category=5", "data.category_caps={math: 2, magpie_chat: 30}"]))
+    expected = {k: min(n, {"math": 2, "magpie_chat": 30}.get(k, 5)) for k, n in per_category.items()}
+    assert per_category["magpie_chat"] > 30 and Counter(c.category for c in capped) == expected
+    # The same hash order as the common cap: a smaller cap keeps a subset of a larger one's picks.
+    common, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=5"]))
+    assert {c.id for c in capped if c.category == "math"} < {c.id for c in common if c.category == "math"}
+    # Without a common cap only the named categories are capped.
+    only, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", [
+        "data.max_prompts_per_category=null", "data.category_caps={math: 2}"]))
+    assert Counter(c.category for c in only) == {**per_category, "math": 2}
+    with pytest.raises(ConfigError, match=r"data\.category_caps\.math.*out of range"):
+        load_config(ROOT / "configs" / "local.yaml", ["data.category_caps={math: 0}"])
+    with pytest.raises(ConfigError, match=r"data\.category_caps.*'maths'"):
+        load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.category_caps={maths: 2}"]))
+
+
 def test_eval_sets_must_exist_and_never_overlap_training(tmp_path):
     cfg = load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=null"])
     train, _ = load_prompts(cfg)
