@@ -5,7 +5,9 @@
 Runs `scripts/run_local.sh` (the README's main-job command: a local Ray head, vLLM CPU
 regenerating the answers, Mooncake, the DeepSpeed trainer) once with `drafter.mode=dspark` and
 once with `drafter.mode=dflash` (the same backbone without the Markov and confidence heads),
-every other setting equal, a fresh run each (`trainer.resume=never`). Prints, per mode, the
+every other setting equal, a fresh run each (`trainer.resume=never`). With a time budget (the
+local default's `trainer.time_budget_s`) both train for the same minutes, each as many epochs as
+its own pace fits. Prints, per mode, the
 held-out τ and the τ of every `data.eval_sets` split (macro over categories too), the job's
 wall clock and steps, and DSpark's ratio over DFlash; writes `outputs/drafter_quality.json`.
 """
@@ -55,13 +57,14 @@ def main() -> None:
         else:
             r = run(mode, args.config, args.overrides, ROOT / "outputs" / f"drafter_quality-{mode}.log")
         rows[mode] = {"wall_clock_s": r["wall_clock_s"], "steps": r["steps"], "cpu": r["machine"]["cpu"]["model"],
+                      "epochs": r.get("epochs", {}).get("kept"),
                       "splits": figures(r)}
     (ROOT / "outputs" / "drafter_quality.json").write_text(json.dumps(rows, indent=2))
     splits = list(rows["dspark"]["splits"])
     print(f"\n=== DSpark vs its DFlash ablation: {args.config} {' '.join(args.overrides)} on {rows['dspark']['cpu']} ===")
-    print(f"{'mode':8} {'wall min':>8} {'steps':>6} " + " ".join(f"{s + ' tau':>12} {s + ' macro':>12}" for s in splits))
+    print(f"{'mode':8} {'wall min':>8} {'steps':>6} {'epochs':>6} " + " ".join(f"{s + ' tau':>12} {s + ' macro':>12}" for s in splits))
     for mode, r in rows.items():
-        print(f"{mode:8} {r['wall_clock_s'] / 60:8.1f} {r['steps']:6d} "
+        print(f"{mode:8} {r['wall_clock_s'] / 60:8.1f} {r['steps']:6d} {r['epochs'] or '-':>6} "
               + " ".join(f"{r['splits'][s]['tau']:12.3f} {r['splits'][s]['macro_tau']:12.3f}" for s in splits))
     print("dspark / dflash: " + ", ".join(
         f"{s} {rows['dspark']['splits'][s]['tau'] / rows['dflash']['splits'][s]['tau']:.3f}x" for s in splits))

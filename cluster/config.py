@@ -188,6 +188,12 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     max_steps: int | None = None  # None: one pass per epoch over the data
+    # Seconds from the job's start by which training ends (the export and the evaluation follow).
+    # Once every sample is generated, the planned epochs (data.epochs, then a maximum) that the
+    # measured pace will not train in time are dropped before they begin, and the LR schedule
+    # ends where the shortened plan does; at the deadline training stops in any case
+    # (`ended_by: time_budget`). None: no budget, every planned epoch.
+    time_budget_s: float | None = None
     checkpoint_interval: int = 200  # optimizer steps
     # When trained samples leave the store: at the checkpoint that commits them (a trainer that
     # goes back to its checkpoint re-reads them), or right after their step (it has them
@@ -422,7 +428,7 @@ RANGES = {
     "transport.buffer_mb": AT_LEAST_1, "transport.max_service_restarts": NON_NEGATIVE,
     "trainer.zero_stage": Range(0, 3), "trainer.batch_tokens": AT_LEAST_1, "trainer.lr": POSITIVE,
     "trainer.weight_decay": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE, "trainer.min_lr_ratio": FRACTION,
-    "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.checkpoint_interval": AT_LEAST_1,
+    "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.time_budget_s": POSITIVE, "trainer.checkpoint_interval": AT_LEAST_1,
     "trainer.torch_threads": AT_LEAST_1, "trainer.torch_threads_when_idle": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE, "trainer.max_nonfinite_steps": AT_LEAST_1, "trainer.stall_commit_s": POSITIVE,
     "logging.progress_interval_s": POSITIVE,

@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from cluster.budget import EpochPlanner
 from cluster.checkpoints import CheckpointDir
 from cluster.config import ROOT, JobConfig, group_watermarks, to_yaml
 from cluster.control import ControlChannel, ResizeTrainer
@@ -129,10 +130,12 @@ class TrainingJob:
         self.resume_from: Path | None = None
         self.uncommitted: list[dict] = []  # lease rows since the last commit (calibration reads the last ones)
         self.events: list[str] = []
-        self.ended_by = "data"  # data | max_steps | stop
+        self.ended_by = "data"  # data | max_steps | time_budget | stop
         self.trainer_generation = 0  # bumped per trainer placement after a resize: new placement group names
         self.trainer_restarts = 0
         self.nonfinite_streak = 0
+        self.horizon_epochs: int | None = None  # the epochs the LR horizon was last measured for (cluster.budget)
+        self.trained_until_s: float | None = None  # when training ended, from the job's start
         self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
         self.wandb = None
 
@@ -155,6 +158,10 @@ class TrainingJob:
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
+        # The pace is measured over a checkpoint interval at least: checkpoints are part of it.
+        t = self.cfg.trainer
+        self.planner = EpochPlanner(self.started + t.time_budget_s if t.time_budget_s else float("inf"),
+                                    window=max(10, t.checkpoint_interval))
         (self.run_dir / "heldout.jsonl").write_text(
             "".join(json.dumps(c.prompt_record()) + "\n" for c in self.heldout))
         if self.cfg.logging.wandb_mode != "disabled":
@@ -270,6 +277,10 @@ class TrainingJob:
                 if t.max_steps and s.step >= t.max_steps:
                     self.ended_by = "max_steps"
                     break
+                if self.planner.expired():
+                    self.ended_by = "time_budget"
+                    self.events.append(f"trainer.time_budget_s={t.time_budget_s:g} reached at step {s.step}")
+                    break
                 if self.global_step() == "drained":
                     break
             except TrainerFailure as e:
@@ -294,8 +305,8 @@ class TrainingJob:
                                f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating")
             return "waited"
         s.data_wait_s += time.perf_counter() - t0
+        generating = self.ledger_call("to_generate") > 0
         if self.cfg.device == "cpu":
-            generating = self.ledger_call("to_generate") > 0
             self.gang.set_threads(t.torch_threads if generating else t.torch_threads_when_idle)
         t1 = time.perf_counter()
         per_rank = self.gang.train_step(s.step + 1, lease)
@@ -313,7 +324,34 @@ class TrainingJob:
         # The last step's samples stay uncommitted (and in the store) for the final calibration.
         if s.step % t.checkpoint_interval == 0 and not self.ledger_call("drained"):
             self.checkpoint()
+        self.follow_plan(len(rows), generating)
         return "stepped"
+
+    def follow_plan(self, samples: int, generating: bool) -> None:
+        """Once the pace is measured (`cluster.budget`): end the LR schedule where the epochs
+        that fit in `trainer.time_budget_s` end, and drop the others when they would begin.
+        Without a budget the horizon is measured once."""
+        planner = self.planner
+        planner.on_step(self.stats.step, samples, generating)
+        if not planner.ready() or (self.horizon_epochs is not None and not planner.budgeted):
+            return
+        remaining = self.ledger_call("remaining_per_epoch")
+        plan = planner.plan(remaining, self.ledger_call("first_open_epoch"))
+        if plan is None:
+            return
+        if plan.drop:
+            self.gang.on_rank0("remove_keys", self.ledger_call("shorten", plan.epochs))
+            self.events.append(f"step {self.stats.step}: {plan.epochs} of {len(remaining)} epochs fit in trainer.time_budget_s="
+                               f"{self.cfg.trainer.time_budget_s:g} at {plan.samples_per_s:.2f} samples/s; the others are dropped")
+            log.info("%s", self.events[-1])
+        if plan.epochs != self.horizon_epochs:
+            horizon = min(plan.horizon, self.cfg.trainer.max_steps or plan.horizon)
+            log.info("LR schedule: ends at step %d (was %d): %d of %d epochs fit at %.2f samples/s", horizon,
+                     self.total_steps, plan.epochs, len(remaining), plan.samples_per_s)
+            if horizon != self.total_steps:
+                self.total_steps = horizon
+                self.gang.set_lr_horizon(horizon)
+            self.horizon_epochs = plan.epochs
 
     def nonfinite_step(self, step: int, per_rank: list[dict]) -> None:
         """No rank updated: every sample of the step is leased again (those of the ranks whose
@@ -587,6 +625,9 @@ class TrainingJob:
             "run_dir": str(self.run_dir), "drafter": str(final), "steps": self.stats.step, "ended_by": self.ended_by,
             "trained_fraction": proof["trained"] / max(counts["total"], 1),
             "exactly_once": proof, "world": self.gang.layout(), "calibration": calibration, "events": self.events,
+            # the plan the time budget kept (cluster.budget); what each epoch trained is in exactly_once
+            "epochs": {"planned": self.cfg.data.epochs, "kept": counts["epochs"]}, "lr_horizon": self.total_steps,
+            "trained_until_s": self.trained_until_s,
             "groups": {name: {"replicas": self.final_replicas[name], "generated": proof["generated_by_group"].get(name, 0),
                               "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),
                               "events": pool.events} for name, pool in self.pools.items()},
@@ -599,7 +640,7 @@ class TrainingJob:
             log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
         results["evaluation"], results["evaluation_sets"] = self.evaluate(str(final))
         results["tau"] = results["evaluation"]["tau"]
-        write_recipe(final, self.training_summary(proof["trained"]), results["evaluation"])
+        write_recipe(final, self.training_summary(proof["trained"], counts["epochs"]), results["evaluation"])
         # Final values once more, fresh for whoever looks after the job: Ray drops series that
         # nobody has set for a while, and training ended before the evaluation.
         self.reporter.report()
@@ -622,13 +663,13 @@ class TrainingJob:
                             f"are written ({self.run_dir})")
         return results
 
-    def training_summary(self, trained: int) -> dict:
+    def training_summary(self, trained: int, epochs: int) -> dict:
         """What the model card says about the data the drafter learned from."""
         categories = Counter(c.category or UNCATEGORIZED for c in self.train_prompts)
         sampling = self.cfg.sampling
         return {"target": self.cfg.target.name or self.target_path, "prompt_files": list(self.cfg.data.prompts),
                 "train_prompts": len(self.train_prompts), "heldout_prompts": len(self.heldout), "categories": dict(categories),
-                "epochs": self.cfg.data.epochs, "trained_samples": trained, "steps": self.stats.step,
+                "epochs": epochs, "trained_samples": trained, "steps": self.stats.step,
                 "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
 
     def evaluate(self, drafter: str) -> tuple[dict, dict[str, dict]]:
@@ -717,6 +758,7 @@ class TrainingJob:
         try:
             self.start()
             self.train()
+            self.trained_until_s = time.monotonic() - self.started
             calibration = self.finalize()
             print(self.reporter.report(), flush=True)
             return self.finish(calibration)

@@ -34,6 +34,8 @@ rank of the one data-parallel world leases from it.
   gone with the store → pending; a lease whose data the trainer can no longer read comes back
   through `release_lease`), `trainer_restarted` (leased after the last commit → stored,
   re-leased as is).
+- Plan: `shorten(n)` drops the epochs from n on, before any of them has begun, as if never
+  planned (a time budget that will not fit them: `cluster.budget`).
 - Backpressure, per group (a group's samples fill its own nodes' store memory): its producers
   are told to pause once its stored-but-untrained bytes pass its high watermark and resume
   under its low one.
@@ -525,6 +527,41 @@ class SampleLedger:
         self._update_pause()
         return len(lost)
 
+    # ---- the plan ----------------------------------------------------------------------
+    def remaining_per_epoch(self) -> list[int]:
+        """Per epoch, its samples not yet trained (nor leased, nor failed)."""
+        return [sum(self._per_epoch[(s, e)] for s in (PENDING, GENERATING, STORED)) for e in range(self.epochs)]
+
+    def first_open_epoch(self) -> int:
+        """The lowest epoch from which on nothing has begun: no sample of it or of a later epoch
+        is being generated, leased, trained or failed (they are pending, or stored by reuse)."""
+        begun = [e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))]
+        return begun[-1] + 1 if begun else 0
+
+    def shorten(self, epochs: int) -> list[str]:
+        """Plan `epochs` epochs instead (a time budget, `cluster.budget`): the later ones leave
+        the ledger, as if never planned. Only epochs that have not begun can go. Returns the
+        keys of their stored samples that no remaining entry holds, for the store to drop."""
+        if not 1 <= epochs <= self.epochs or epochs < self.first_open_epoch():
+            raise LedgerError(f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
+                              f"{self.first_open_epoch() - 1} have begun")
+        dropped = [self.entries[u] for u in self.order if self.entries[u].epoch >= epochs]
+        kept_keys = {(e.ref or {}).get("key") for e in self._in(STORED, LEASED) if e.epoch < epochs}
+        keys = sorted({e.ref["key"] for e in dropped if e.state == STORED and e.ref} - kept_keys)
+        for e in dropped:
+            del self.entries[e.uid], self._members[e.state][e.uid]
+            self._orphans.pop(e.uid, None)
+        for e in range(epochs, self.epochs):
+            del self._pending[e]
+            for s in STATES:
+                self._per_epoch.pop((s, e), None)
+        self.order = [u for u in self.order if u in self.entries]
+        self.position = {u: i for i, u in enumerate(self.order)}
+        self.events.append({"event": "shortened", "from": self.epochs, "to": epochs, "dropped": len(dropped)})
+        self.epochs = epochs
+        self._update_pause()
+        return keys
+
     # ---- accounting --------------------------------------------------------------------
     def counts(self) -> dict:
         """Job-wide counts, and under `groups` what each group generated and holds."""
@@ -547,6 +584,7 @@ class SampleLedger:
             "paused": any(self.full(g) for g in self.groups()),
             "oldest_lease_s": max(leases) if leases else 0.0,
             "epoch": self.current_epoch(),
+            "epochs": self.epochs,
             "to_generate": self.to_generate(),
             **dict(self.totals),
             "groups": per_group,

@@ -216,10 +216,16 @@ class TrainerRank:
             _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False,
                                                     load_optimizer_states=not resized)
             step = int(client["step"])
+            self.set_lr_horizon(self.s.total_steps)  # the driver's, not the one saved with the scheduler
             saved = client["anchor_rng"]
             if self.rank < len(saved):  # a rank added by a resize keeps its fresh seed
                 self.objective.generator.set_state(saved[self.rank])
         return {"step": step, "rank": self.rank, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+    def set_lr_horizon(self, total_steps: int) -> None:
+        """The step the LR schedule ends at, from the next step on (the plan was measured or shortened)."""
+        for schedule in self.scheduler.lr_lambdas:
+            schedule.total_steps = total_steps
 
     def reconnect_store(self) -> None:
         self.store.reconnect()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.errors import cause_of
@@ -96,6 +97,11 @@ class TrainerGang:
         if threads and threads != self.threads:
             self.call("set_threads", threads)
             self.threads = threads
+
+    def set_lr_horizon(self, total_steps: int) -> None:
+        """The LR schedule ends at `total_steps`, on these ranks and on any world started later."""
+        self.call("set_lr_horizon", total_steps)
+        self.settings = replace(self.settings, total_steps=total_steps)
 
     def setup(self, model_init: dict, resume: Path | None, resized: bool) -> int:
         """Rendezvous at rank 0, build the drafter and engines, load `resume` if given; the step

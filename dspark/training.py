@@ -30,13 +30,21 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
-def lr_multiplier(step: int, cfg: OptimConfig) -> float:
-    """Linear warmup to 1, then cosine down to `min_lr_ratio` at `total_steps`."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+class WarmupCosine:
+    """The LR multiplier at a step: linear warmup to 1, then cosine down to `min_lr_ratio` at
+    `total_steps`. An object rather than a lambda so that the horizon can move while training
+    (a job that learns its length as it runs: `cluster.budget`); LambdaLR saves its fields with
+    the scheduler's state."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -51,7 +59,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
     return opt, sched
 
 

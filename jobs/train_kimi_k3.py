@@ -120,8 +120,10 @@ def main() -> int:
               f"(never trained on); lossless={other['lossless']}")
         print(format_table(other))
     proof = result["exactly_once"]
+    epochs = result["epochs"]
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
-          f"({proof['crossed']} by another group's rank); record: {proof['record']}")
+          f"({proof['crossed']} by another group's rank), {epochs['kept']} of {epochs['planned']} planned epochs "
+          f"in {result['trained_until_s'] / 60:.1f} min, ended by {result['ended_by']}; record: {proof['record']}")
     print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
     cpu = result["machine"]["cpu"]
     print(f"wall clock {result['wall_clock_s'] / 60:.1f} min on {cpu['model']} ({cpu['cores']} cores, native bf16: "

@@ -21,6 +21,7 @@ LOCAL = ROOT / "configs" / "local.yaml"
     ("trainer.batch_tokens=0", r"`trainer\.batch_tokens`: 0 is out of range"),
     ("trainer.checkpoint_interval=0", r"`trainer\.checkpoint_interval`"),
     ("data.epochs=0", r"`data\.epochs`"),
+    ("trainer.time_budget_s=-60", r"`trainer\.time_budget_s`: -60\.0 is out of range \(must be > 0\)"),
     ("data.heldout_fraction=1.0", r"`data\.heldout_fraction`: 1\.0 is out of range \(must be >= 0 and < 1\)"),
     ("trainer.zero_stage=7", r"`trainer\.zero_stage`: 7 is out of range \(must be >= 0 and <= 3\)"),
     ("sampling.max_tokens=1024", r"`sampling\.max_tokens`: 1024 leaves no room for a prompt within target\.max_model_len=1024"),

@@ -1,0 +1,90 @@
+"""`EpochPlanner`: how many of the planned epochs fit in `trainer.time_budget_s`, and the step the
+LR schedule should end at.
+
+A job is given a wall-clock budget, not a number of steps: the same config trains ~15 epochs on a
+2-core Xeon with AMX and ~6 on an AVX2-only EPYC in the same minutes. Until every sample is
+generated the trainer's pace is set by its producers (epoch 0 is trained as it arrives) and says
+nothing about the epochs after it, so the planner measures only from then on, over a sliding
+window of the last `window` steps (the pace changes: a sample's first epoch costs more than its
+later ones, whose target normalisers are cached; a resized world steps at another rate):
+
+    waiting ──(generation done)──► measuring ──(`window` steps)──► projecting, at every step:
+        keep = the most epochs whose untrained samples, at the window's samples/s, are trained
+        by the deadline (the begun ones always, and at least one)
+
+Two decisions follow. The LR horizon is the step the kept epochs end at, moved whenever `keep`
+changes, so the cosine reaches its floor at the last step instead of being cut off halfway down.
+And the epochs from `keep` on are dropped from the ledger (`SampleLedger.shorten`: whole epochs,
+so the record proves every prompt × epoch of the shortened plan trained exactly once), but only
+once every epoch before them has begun: until then a faster pace may still fit them, and a drop
+cannot be undone. If the pace falls behind the projection within the last kept epoch, the job's
+deadline stops training where it is (`ended_by: time_budget`). Pure: the clock is injected, the
+driver (`cluster.job`) applies the decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    epochs: int  # the epochs that fit (`keep`)
+    horizon: int  # the step they end at
+    samples_per_s: float
+    drop: bool  # the epochs from `epochs` on should leave the plan now (every one before them has begun)
+
+
+class EpochPlanner:
+    def __init__(self, deadline: float = math.inf, window: int = 10, slack: float = 0.05, clock=time.monotonic) -> None:
+        """`deadline`: the clock's time by which training ends (inf: no budget, the planner only
+        measures the LR horizon); `window`: the steps the pace is measured over (a checkpoint
+        interval at least, so that checkpoints count at their share); `slack`: the fraction of
+        the time left that a kept plan must leave unused (a pace a little slower than measured
+        should still end the plan, not cut its last epoch)."""
+        self.deadline, self.slack, self.clock = deadline, slack, clock
+        self.points: deque[tuple[float, int, int]] = deque(maxlen=window + 1)  # (time, step, samples trained) per step
+        self.step, self.trained = 0, 0
+
+    @property
+    def budgeted(self) -> bool:
+        return self.deadline < math.inf
+
+    def expired(self) -> bool:
+        return self.clock() >= self.deadline
+
+    def ready(self) -> bool:
+        """The pace is measured: a whole window of steps since generation ended."""
+        return len(self.points) == self.points.maxlen
+
+    def on_step(self, step: int, samples: int, generating: bool) -> None:
+        """After each optimizer step: its number, the samples it trained, whether any producer
+        still has samples to generate."""
+        if generating or step <= self.step:
+            # generation resumed (lost samples regenerated), or the world went back to a
+            # checkpoint: neither is the pace from here on
+            self.points.clear()
+        self.step, self.trained = step, self.trained + samples
+        if not generating:
+            self.points.append((self.clock(), self.step, self.trained))
+
+    def plan(self, remaining_per_epoch: list[int], first_open_epoch: int) -> Plan | None:
+        """None until the pace is measured. `remaining_per_epoch[e]`: epoch e's samples not yet
+        trained; `first_open_epoch`: the lowest epoch from which on none has begun."""
+        if not self.ready():
+            return None
+        (t0, step0, trained0), (now, step, trained) = self.points[0], self.points[-1]
+        rate = (trained - trained0) / max(now - t0, 1e-9)
+        per_step = (trained - trained0) / (step - step0)
+        if rate <= 0:
+            return None
+        begun = max(first_open_epoch, 1)
+        keep, usable = begun, (self.deadline - now) * (1 - self.slack)
+        while keep < len(remaining_per_epoch) and sum(remaining_per_epoch[: keep + 1]) / rate <= usable:
+            keep += 1
+        left = sum(remaining_per_epoch[:keep])
+        return Plan(epochs=keep, horizon=step + math.ceil(left / per_step), samples_per_s=rate,
+                    drop=keep == begun and keep < len(remaining_per_epoch))
