@@ -336,7 +336,7 @@ class TrainingJob:
         if not planner.ready() or (self.horizon_epochs is not None and not planner.budgeted):
             return
         remaining = self.ledger_call("remaining_per_epoch")
-        plan = planner.plan(remaining, self.ledger_call("first_open_epoch"))
+        plan = planner.plan(remaining, self.ledger_call("first_open_epoch"), self.horizon_epochs)
         if plan is None:
             return
         if plan.drop:
@@ -344,14 +344,14 @@ class TrainingJob:
             self.events.append(f"step {self.stats.step}: {plan.epochs} of {len(remaining)} epochs fit in trainer.time_budget_s="
                                f"{self.cfg.trainer.time_budget_s:g} at {plan.samples_per_s:.2f} samples/s; the others are dropped")
             log.info("%s", self.events[-1])
-        if plan.epochs != self.horizon_epochs:
+        if plan.horizon_epochs != self.horizon_epochs:
             horizon = min(plan.horizon, self.cfg.trainer.max_steps or plan.horizon)
             log.info("LR schedule: ends at step %d (was %d): %d of %d epochs fit at %.2f samples/s", horizon,
-                     self.total_steps, plan.epochs, len(remaining), plan.samples_per_s)
+                     self.total_steps, plan.horizon_epochs, len(remaining), plan.samples_per_s)
             if horizon != self.total_steps:
                 self.total_steps = horizon
                 self.gang.set_lr_horizon(horizon)
-            self.horizon_epochs = plan.epochs
+            self.horizon_epochs = plan.horizon_epochs
 
     def nonfinite_step(self, step: int, per_rank: list[dict]) -> None:
         """No rank updated: every sample of the step is leased again (those of the ranks whose

@@ -27,7 +27,7 @@ def prompts(n):
 
 def test_the_planner_keeps_the_epochs_the_measured_pace_trains_by_the_deadline():
     clock = Clock()
-    planner = EpochPlanner(deadline=200.0, window=10, slack=0.0, clock=clock)
+    planner = EpochPlanner(deadline=200.0, window=10, slack=0.0, band=0.1, clock=clock)
     with_slack = EpochPlanner(deadline=200.0, window=10, slack=0.05, clock=clock)
 
     def step(n: int, seconds: float, generating: bool, samples: int = 2) -> None:
@@ -45,12 +45,21 @@ def test_the_planner_keeps_the_epochs_the_measured_pace_trains_by_the_deadline()
     # t=136: 20 samples in the 10 s since step 6, 2 a step; 64 s left. All four epochs (70
     # samples, 35 s) fit; the schedule ends 35 steps on; nothing to drop.
     plan = planner.plan([10, 20, 20, 20], 1)
-    assert (plan.epochs, plan.horizon, plan.drop) == (4, 16 + 35, False) and plan.samples_per_s == pytest.approx(2.0)
+    assert (plan.epochs, plan.horizon_epochs, plan.horizon, plan.drop) == (4, 4, 16 + 35, False)
+    assert plan.samples_per_s == pytest.approx(2.0)
     # 110 samples take 55 s, 170 take 85 s: five epochs fit. Epoch 5 is dropped only once
     # epochs 0-4 have all begun (40 samples left, 20 s; with epoch 5, 70 s); until then a faster
     # pace may still fit it.
-    assert planner.plan([10, 20, 20, 20, 40, 60], 1) == Plan(5, 16 + 55, pytest.approx(2.0), drop=False)
-    assert planner.plan([0, 0, 0, 0, 40, 100], 5) == Plan(5, 16 + 20, pytest.approx(2.0), drop=True)
+    assert planner.plan([10, 20, 20, 20, 40, 60], 1) == Plan(5, 5, 16 + 55, pytest.approx(2.0), drop=False)
+    assert planner.plan([0, 0, 0, 0, 40, 100], 5) == Plan(5, 5, 16 + 20, pytest.approx(2.0), drop=True)
+    # The horizon keeps the epochs it was planned for while they stay within the band (10% of
+    # the 64 s: 57.6-70.4 s): 6 epochs (130 samples, 65 s) no longer fit, but within the band;
+    # with 150 samples (75 s) it moves to the 5 that fit.
+    held = planner.plan([10, 20, 20, 20, 40, 20], 1, horizon_epochs=6)
+    assert (held.epochs, held.horizon_epochs, held.horizon) == (5, 6, 16 + 65)
+    assert planner.plan([10, 20, 20, 20, 40, 40], 1, horizon_epochs=6).horizon_epochs == 5
+    # and from 4 to 5, which fit even at the band's low edge (110 samples: 55 s)
+    assert planner.plan([10, 20, 20, 20, 40, 20], 1, horizon_epochs=4).horizon_epochs == 5
     assert planner.plan([400, 400, 20], 2).epochs == 2  # nothing more fits: the begun epochs stay
     # 124 samples take 62 s: inside the 64 s left, not inside the 60.8 s that 5% slack leaves
     assert planner.plan([60, 64, 10], 1).epochs == 2 and with_slack.plan([60, 64, 10], 1).epochs == 1
