@@ -534,7 +534,7 @@ class SampleLedger:
 
     def first_open_epoch(self) -> int:
         """The lowest epoch from which on nothing has begun: no sample of it or of a later epoch
-        is being generated, leased, trained or failed (they are pending, or stored by reuse)."""
+        is being generated, leased, trained or failed (they are pending, or stored ahead)."""
         begun = [e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))]
         return begun[-1] + 1 if begun else 0
 
