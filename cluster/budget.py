@@ -66,6 +66,10 @@ class EpochPlanner:
         """The pace is measured: a whole window of steps since generation ended."""
         return len(self.points) == self.points.maxlen
 
+    def remeasure(self) -> None:
+        """The pace changes from here on (the trainer world was resized): measure it again."""
+        self.points.clear()
+
     def on_step(self, step: int, samples: int, generating: bool) -> None:
         """After each optimizer step: its number, the samples it trained, whether any producer
         still has samples to generate."""

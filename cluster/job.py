@@ -158,8 +158,12 @@ class TrainingJob:
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
-        # The pace is measured over a checkpoint interval at least: checkpoints are part of it.
         t = self.cfg.trainer
+        if self.resume_candidate is not None and not t.max_steps:
+            # A resumed schedule goes on to the end of the plan it was trained under (not to a
+            # fresh estimate for every epoch of the config) until the pace is measured again.
+            self.total_steps = self.checkpoints.meta(self.resume_candidate).get("lr_horizon", self.total_steps)
+        # The pace is measured over a checkpoint interval at least: checkpoints are part of it.
         self.planner = EpochPlanner(self.started + t.time_budget_s if t.time_budget_s else float("inf"),
                                     window=max(10, t.checkpoint_interval))
         (self.run_dir / "heldout.jsonl").write_text(
@@ -349,8 +353,8 @@ class TrainingJob:
             log.info("LR schedule: ends at step %d (was %d): %d of %d epochs fit at %.2f samples/s", horizon,
                      self.total_steps, plan.horizon_epochs, len(remaining), plan.samples_per_s)
             if horizon != self.total_steps:
+                self.gang.set_lr_horizon(horizon)  # (first: if the world fails here, the next plan sets it again)
                 self.total_steps = horizon
-                self.gang.set_lr_horizon(horizon)
             self.horizon_epochs = plan.horizon_epochs
 
     def nonfinite_step(self, step: int, per_rank: list[dict]) -> None:
@@ -551,7 +555,7 @@ class TrainingJob:
         tmp, dest = self.checkpoints.paths(step)
         state = self.ledger_call("checkpoint_state", step)
         rows = self.record.commit(step)  # before the rename: a crash in between rolls these rows back
-        self.gang.save_checkpoint(tmp, dest, step, state, {"step": step, "record_rows": rows})
+        self.gang.save_checkpoint(tmp, dest, step, state, {"step": step, "record_rows": rows, "lr_horizon": self.total_steps})
         keys = self.ledger_call("commit", step)
         self.gang.on_rank0("remove_keys", keys)
         self.uncommitted = []
@@ -595,6 +599,7 @@ class TrainingJob:
         self.gang.setup(self.gang.on_rank0("read_drafter", str(ckpt / "drafter")), ckpt, resized)
         self.stats.ranks, self.stats.layout = self.gang.size, self.gang.layout()
         self.stats.resize_seq_handled = request.seq
+        self.planner.remeasure()  # another world, another pace (and the resize's own minutes are not one step)
         if self.gang.layout() != old:
             self.events.append(f"trainer resized {old}->{self.gang.layout()} at step {self.stats.step}")
             log.info("%s", self.events[-1])

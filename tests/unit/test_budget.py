@@ -85,6 +85,12 @@ def test_the_pace_is_measured_again_after_a_rollback_or_more_generation():
     planner.on_step(5, 4, generating=True)  # lost samples regenerated
     assert not planner.ready() and not planner.budgeted and not planner.expired()
     assert planner.plan([8], 0) is None
+    for n in (6, 7, 8):
+        clock.t += 1.0
+        planner.on_step(n, 4, generating=False)
+    assert planner.ready()
+    planner.remeasure()  # a resized world: the minutes of the resize are not one step of the new pace
+    assert not planner.ready()
 
 
 def run_epochs(ledger, record, first_step, epochs):
