@@ -1,8 +1,8 @@
 """`EpochPlanner`: how many of the planned epochs fit in `trainer.time_budget_s`, and the step the
 LR schedule should end at.
 
-A job is given a wall-clock budget, not a number of steps: the same config trains ~15 epochs on a
-2-core Xeon with AMX and ~6 on an AVX2-only EPYC in the same minutes. Until every sample is
+A job is given a wall-clock budget, not a number of steps: in the same minutes the same config
+trained 15-17 epochs on a 2-core Xeon with AMX, where a 2-core AVX2-only EPYC trains about 6. Until every sample is
 generated the trainer's pace is set by its producers (epoch 0 is trained as it arrives) and says
 nothing about the epochs after it, so the planner measures only from then on, over a sliding
 window of the last `window` steps (the pace changes: a sample's first epoch costs more than its
