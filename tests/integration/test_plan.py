@@ -1,11 +1,13 @@
 """`--plan` for the production topology on a simulated 12-node cluster (12 × 4 fake GPUs):
 4 groups × (8 inference GPUs on 2 nodes + 4 trainer GPUs on 1 node), each replica's bundles in
 node order, every node used exactly once, one trainer world of 16 ranks, and the capacity plan;
-the single-node split on one simulated 8-GPU node; an impossible topology names what is
-missing. The 12-node plan is `slow`."""
+the single-node split on one simulated 8-GPU node, with its capacity plan; an impossible topology
+names what is missing; both GPU configs name the public checkpoint they train for. The 12-node
+plan is `slow`."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,6 +98,29 @@ def test_single_node_split_on_one_simulated_node():
     assert rep_node == trainer_node and len(by_role["g0/inference0"]) == 4 and len(by_role["g0/trainer0"]) == 4
     assert "network: none (the replica and the ranks share one node's store daemon)" in out.stdout
     assert "1 node(s) x 512 GiB lent" in out.stdout
+    # The capacity plan for Qwen3-32B (configs/targets/qwen3_32b.json), in figures to check by hand:
+    # 6 states x 5120 x 2 B per token; a 3-layer drafter with the target's 64/8 heads and 25,600-wide
+    # MLP; 358.4 GiB (0.7 x 512 GiB) / 61,440 B = 6,263,494 tokens before the producers pause.
+    text = out.stdout
+    assert "6 x 5120 x 2 B (bfloat16) = 61,440 B per token" in text
+    trainable, frozen = dspark_parameters(hidden=5120, layers=3, heads=64, kv_heads=8, head_dim=128, mlp=25600,
+                                          vocab=151936, draft_vocab=151936, aux=5, markov_rank=256)
+    assert f"{trainable:,} trainable parameters" in text and f"{frozen:,} frozen" in text, text[:3000]
+    assert "ZeRO-2 over 4 ranks" in text
+    assert "= 6,263,494 tokens" in text
+
+
+@pytest.mark.parametrize("config, name", [("kimi_k3.yaml", "moonshotai/Kimi-K3"), ("single_node_8gpu.yaml", "Qwen/Qwen3-32B")])
+def test_gpu_configs_name_the_checkpoint_they_plan_for(config, name):
+    """The exported drafter names `target.name` as its verifier (never the local path), and --plan
+    plans with `target.plan_config`, a copy of that checkpoint's config.json: a config must name
+    the checkpoint, and its plan copy must be the same checkpoint's."""
+    from cluster.config import load_config
+
+    cfg = load_config(ROOT / "configs" / config)
+    assert cfg.target.name == name and cfg.target.name != cfg.target.path
+    plan_copy = json.loads((ROOT / cfg.target.plan_config).read_text())
+    assert f"{name}'s config.json" in plan_copy["_comment"], plan_copy["_comment"]
 
 
 def test_impossible_topology_names_the_missing_resource():
