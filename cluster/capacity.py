@@ -51,15 +51,11 @@ def target_config(cfg: JobConfig):
     """The target's (text) config: from `target.path` if it is here, else `target.plan_config`."""
     from transformers import PretrainedConfig
 
-    from cluster.config import LOCAL_TARGET
-    from cluster.target import read_config
+    from cluster.config import LOCAL_TARGET, RANDOM_TARGET
+    from cluster.target import read_config, resolve_target
 
-    if cfg.target.path == LOCAL_TARGET:
-        from dspark.targets import prepare_smollm2
-
-        tc = read_config(str(prepare_smollm2()), cfg.target.trust_remote_code)
-    elif (Path(cfg.target.path) / "config.json").exists():
-        tc = read_config(cfg.target.path, cfg.target.trust_remote_code)
+    if cfg.target.path in (LOCAL_TARGET, RANDOM_TARGET) or (Path(cfg.target.path) / "config.json").exists():
+        tc = read_config(resolve_target(cfg), cfg.target.trust_remote_code)
     elif cfg.target.plan_config:
         d = json.loads(Path(cfg.target.plan_config).read_text())
         tc = PretrainedConfig(**(d.get("text_config") or d))

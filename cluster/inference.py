@@ -7,20 +7,33 @@ capturing class (`cluster.capture_model`), caches them while it decodes (a plain
 speculative step), and our `MooncakeHiddenStatesConnector` puts them into the
 Mooncake store. What comes back through Ray is one `SampleRef` (key and shapes) per prompt.
 
-The CPU build runs the engine inside this actor's process (tests, the local job); on GPU the
-engine spans the placement group's bundles with tensor parallelism (`tp_size` GPUs, possibly
-on two nodes, Ray as the distributed executor).
+How the engine is laid out (`executor_backend`):
+- CPU, TP 1: the engine runs inside this actor's process (tests, the local job).
+- CPU, TP > 1: vLLM's multiprocessing executor, one worker process per rank, each bound to its
+  own share of the replica's cores (`omp_bind_per_rank`). vLLM's Ray executor is no route on CPU:
+  its CPU platform has no Ray device ("current platform cpu does not support ray"), and inside a
+  placement group vLLM would pick it by itself. The workers are new processes: the capture class
+  reaches them by name (`model_class_overrides`), not by a registration in this process.
+- GPU, TP > 1: vLLM's Ray executor, which places one worker on each GPU bundle of the replica's
+  placement group in the order it is told (`VLLM_RAY_BUNDLE_INDICES`), on one node or two: the
+  placement group already owns those GPUs, and no process of ours has to run on the second node.
+
+A start-up that fails in a worker process reaches this process only as vLLM's "WorkerProc
+initialization failed ... See stack trace for root cause"; the worker's own exception is in the
+stderr the workers share with this actor, and `InferenceActor` names it (`EngineStartError`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cluster.capture_model import capture_engine_kwargs
+from cluster.errors import last_exception_line
 from cluster.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
@@ -44,6 +57,7 @@ class InferenceSettings:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     kv_cache_dtype: str = "auto"
+    kv_cache_blocks: int | None = None  # a fixed KV cache of this many blocks; None: sized from memory
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.85
     cpu_kvcache_space_gb: int = 2
@@ -54,6 +68,7 @@ class InferenceSettings:
     trust_remote_code: bool = False  # target.trust_remote_code
     chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
     flush_timeout_s: float = 60.0
+    cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
 
 
 @dataclass
@@ -77,12 +92,47 @@ def uses_mla(target_path: str) -> bool:
     return bool(cfg.get("kv_lora_rank") or (cfg.get("text_config") or {}).get("kv_lora_rank"))
 
 
+class EngineStartError(RuntimeError):
+    """The engine did not start; the message is the cause (a worker's own exception where one
+    failed), the same text for the same fault, so that the pool can tell a fault that repeats."""
+
+
+def executor_backend(device: str, tensor_parallel_size: int) -> str | None:
+    """vLLM's distributed executor for a replica (module docstring): None for an engine in this
+    process, `mp` for CPU tensor parallelism, `ray` for GPU tensor parallelism."""
+    if tensor_parallel_size == 1:
+        return None
+    return "mp" if device == "cpu" else "ray"
+
+
+def omp_bind_per_rank(cores: list[int], tensor_parallel_size: int, threads: int | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a CPU replica of `tensor_parallel_size` ranks: the first
+    `threads` of `cores` split into one contiguous set per rank ("0|1", "0-3|4-7"). vLLM refuses to
+    bind two CPU workers on one NUMA node unless each rank is given its set. A replica with fewer
+    cores than ranks binds ranks to shared cores (slow, but it runs)."""
+    cores = sorted(cores)[:threads] if threads else sorted(cores)
+    if not cores:
+        raise ValueError("no cores to bind the replica's ranks to")
+    per_rank = max(1, len(cores) // tensor_parallel_size)
+    sets = []
+    for r in range(tensor_parallel_size):
+        start = (r * per_rank) % len(cores)
+        mine = cores[start:start + per_rank]
+        sets.append(str(mine[0]) if len(mine) == 1 else
+                    f"{mine[0]}-{mine[-1]}" if mine[-1] - mine[0] == len(mine) - 1 else ",".join(map(str, mine)))
+    return "|".join(sets)
+
+
 def engine_kwargs(s: InferenceSettings) -> dict:
     kwargs = dict(
         model=s.target_path, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
         enforce_eager=s.enforce_eager, tensor_parallel_size=s.tensor_parallel_size, kv_cache_dtype=s.kv_cache_dtype,
         seed=0, trust_remote_code=s.trust_remote_code,
     )
+    if s.kv_cache_blocks is not None:
+        kwargs.update(num_gpu_blocks_override=s.kv_cache_blocks)
+    if backend := executor_backend(s.device, s.tensor_parallel_size):
+        kwargs.update(distributed_executor_backend=backend)
     if s.device == "cpu" and s.dtype != "bfloat16" and uses_mla(s.target_path):
         # On a CPU with AMX, vLLM serves multi-head latent attention with its AMX backend, which
         # takes bf16 weights only ("expect weight to be bfloat16, float16, int8, ..." at load);
@@ -90,11 +140,10 @@ def engine_kwargs(s: InferenceSettings) -> dict:
         kwargs.update(attention_backend="CPU_MLA")
     if s.device == "cuda":
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization)
-        if s.tensor_parallel_size > 1:
-            kwargs.update(distributed_executor_backend="ray")
     if s.extract:
         # the target's class with a hidden-state cache (cluster.capture_model): a plain engine
-        kwargs.update(capture_engine_kwargs(s.target_path, s.trust_remote_code, s.layer_ids, in_process=s.device == "cpu"))
+        in_process = executor_backend(s.device, s.tensor_parallel_size) is None and s.device == "cpu"
+        kwargs.update(capture_engine_kwargs(s.target_path, s.trust_remote_code, s.layer_ids, in_process=in_process))
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -107,6 +156,49 @@ def engine_kwargs(s: InferenceSettings) -> dict:
             },
         }
     return kwargs
+
+
+def output_files() -> list[Path]:
+    """The files this process's stdout and stderr go to (a Ray worker's `.out` and `.err` logs),
+    those that are regular files: vLLM's worker processes inherit them and log their tracebacks
+    there (vLLM logs to stdout by default)."""
+    found = []
+    for fd in (1, 2):
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+        if path.is_file() and path not in found:
+            found.append(path)
+    return found
+
+
+def start_engine(kwargs: dict):
+    """`vllm.LLM(**kwargs)`; a failure is an `EngineStartError` naming its cause: vLLM's own
+    message, or, where it only says a worker process failed, the worker's exception as logged
+    to the output it shares with this process since the start was attempted."""
+    from vllm import LLM
+
+    logs = {path: path.stat().st_size for path in output_files()}
+    try:
+        return LLM(**kwargs)
+    except Exception as e:  # noqa: BLE001 - named and raised again as EngineStartError
+        # the whole message on one line (pydantic's ValidationError puts the cause on its second
+        # line and a link on its last)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+        message = " ".join(lines)[:600] or type(e).__name__
+        worker = None
+        if "WorkerProc" in message:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for path, offset in logs.items():
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    worker = last_exception_line(f.read().decode("utf-8", "replace")) or worker
+        if worker and len(worker) > 600:  # vLLM's "not supported" lists every architecture it has
+            worker = worker[:600] + " ..."
+        cause = f"a worker process failed to start: {worker}" if worker else f"{type(e).__name__}: {message}"
+        raise EngineStartError(f"vLLM engine did not start: {cause}") from e
 
 
 class InferenceActor(Producer):
@@ -124,14 +216,20 @@ class InferenceActor(Producer):
         os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(sorted({*extra, SAMPLE_KEY_ENV}))
         if s.device == "cpu":
             # One engine process per actor: the actor *is* the replica, and the store client
-            # of the connector lives here too.
+            # of the connector lives here too (with TP, rank 0's worker holds another).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gb))
-        from vllm import LLM
-
-        self.llm = LLM(**engine_kwargs(s))
+            if s.tensor_parallel_size > 1:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(
+                    list(os.sched_getaffinity(0)), s.tensor_parallel_size, s.cpu_threads)
+        self.llm = start_engine(engine_kwargs(s))
         self.tokenizer = self.llm.get_tokenizer()
         self._store: HiddenStateStore | None = None
+
+    def stats(self) -> dict:
+        """The producer's totals, and how many tokens the engine's KV cache holds (all ranks alike)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return {**super().stats(), "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size}
 
     def store(self) -> HiddenStateStore:
         if self._store is None:

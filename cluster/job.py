@@ -255,7 +255,7 @@ class TrainingJob:
             target_path=self.target_path, layer_ids=self.layer_ids, key_prefix=f"{c.run_name}/{group}",
             store=StoreConfig(), device=c.device, dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
             max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs, kv_cache_dtype=t.kv_cache_dtype,
-            enforce_eager=t.enforce_eager, gpu_memory_utilization=t.gpu_memory_utilization,
+            kv_cache_blocks=t.kv_cache_blocks, cpu_threads=c.inference.cpu_threads, enforce_eager=t.enforce_eager, gpu_memory_utilization=t.gpu_memory_utilization,
             cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
             max_tokens=c.sampling.max_tokens, trust_remote_code=t.trust_remote_code, chat=self.target.chat)
 

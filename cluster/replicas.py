@@ -5,7 +5,10 @@ The pool starts them, replaces a dead one in its placement group (its prompts go
 pending first), adds one in a new placement group and drains one for the autoscaler, and stops
 them all at the end. A producer that keeps dying is replaced at most
 `inference.max_replica_restarts` times per group; then `supervise` raises with the last error,
-which ends the job with that message instead of recreating it forever. A replica that stays
+which ends the job with that message instead of recreating it forever. A replica that fails to
+start with the error another one of the group failed to start with ends the job at once: a
+deterministic start-up error (a bad engine setting, a class a worker cannot load) would fail
+every replacement the same way, for minutes of restarts and backoff. A replica that stays
 alive but holds a prompt in generation for longer than `inference.generation_timeout_s` is
 taken for hung: it is killed and goes the same way. Thread-safe: the training loop supervises
 while the autoscaler thread adds and removes.
@@ -79,6 +82,7 @@ class ReplicaPool:
         self.replicas: dict[str, Replica] = {}
         self.seq = 0
         self.restarts = 0
+        self.start_failures: set[str] = set()  # causes of replicas that died in their constructor
         self.stopping = False
         self.events: list[str] = []
         self._lock = threading.RLock()
@@ -113,13 +117,20 @@ class ReplicaPool:
                     continue  # it finished normally (stopped)
                 except Exception as e:  # noqa: BLE001 - any failure of the replica
                     error = e
-                cause = self.hung.pop(rid, None) or cause_of(error, 500)
+                cause = self.hung.pop(rid, None) or cause_of(error, 1000)
                 returned = self.ray.get(self.ledger.replica_died.remote(rid, cause), timeout=30)
                 del self.replicas[rid]
                 self.ray.kill(rep.actor, no_restart=True)
-                self._event(f"replica {rid} died ({cause}); {returned} prompts back to pending", logging.WARNING)
+                at_start = bool(getattr(error, "actor_init_failed", False))
+                self._event(f"replica {rid} {'failed to start' if at_start else 'died'} ({cause}); "
+                            f"{returned} prompts back to pending", logging.WARNING)
                 if self.stopping:
                     continue
+                if at_start and cause in self.start_failures:
+                    raise ReplicaFailure(f"group {self.group}: replica {rid} failed to start with the same error as "
+                                         f"an earlier one, so every replacement would: {cause}")
+                if at_start:
+                    self.start_failures.add(cause)
                 if self.restarts >= self.max_restarts:
                     raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts + 1} times "
                                          f"(inference.max_replica_restarts={self.max_restarts}); last: {cause}")

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import LOCAL_TARGET, ConfigError, JobConfig, check_against_target
+from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig, check_against_target
 from dspark.chat import ChatFormat
 
 log = logging.getLogger("cluster.target")
@@ -32,6 +32,10 @@ def resolve_target(cfg: JobConfig) -> str:
         from dspark.targets import prepare_smollm2
 
         return str(prepare_smollm2())
+    if cfg.target.path == RANDOM_TARGET:
+        from dspark.targets import prepare_random_llama
+
+        return str(prepare_random_llama())
     path = Path(cfg.target.path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"target.path={cfg.target.path}: no HF checkpoint (config.json) there")

@@ -78,6 +78,41 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     return out_dir
 
 
+RANDOM_LLAMA = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def prepare_random_llama(out_dir: str | Path | None = None, seed: int = 1234) -> Path:
+    """A small random-weight Llama whose heads split over 2 and 4 tensor-parallel ranks (4
+    attention heads, 2 KV heads; SmolLM2's 9 and 3 split only over 3), with SmolLM2's tokenizer
+    and chat template: the local target of a TP-2 replica (`configs/local_tp2.yaml`). Heads 32
+    wide, a width vLLM's CPU attention supports. The embeddings are scaled up so the random model
+    is peaked: its greedy answers are stable under vLLM's and transformers' numerics, and a
+    drafter learns them in minutes. Cached like the SmolLM2 conversion."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .checkpoint import atomic_directory
+
+    out_dir = Path(out_dir) if out_dir else cache_root() / "targets" / "random-llama-4h"
+    if is_prepared(out_dir):
+        return out_dir
+    smol = prepare_smollm2()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA)).to(torch.bfloat16)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.config.name_or_path = "dspark-cluster/random-llama-4h"
+    with atomic_directory(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        for f in smol.iterdir():  # the tokenizer and its chat template
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                (tmp / f.name).write_bytes(f.read_bytes())
+        (tmp / ".dspark-target.json").write_text(json.dumps({"source": "random", "seed": seed, **RANDOM_LLAMA}))
+    return out_dir
+
+
 def load_target(target_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 trust_remote_code: bool = False):
     """The target and its tokenizer. `trust_remote_code` runs the modeling code shipped in the
