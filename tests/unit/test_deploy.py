@@ -15,6 +15,7 @@ What is compared:
   to the repository through the Dockerfile's WORKDIR), and the config it runs is loaded from there;
 - one image everywhere, named dspark-cluster:<pyproject version>; the Dockerfile's vLLM base, the
   constraints and the `gpu` extra name the same vLLM and Mooncake; Ray's version is pyproject's;
+  the image holds the job and what scripts/gpu_check.py runs;
 - Ray token auth on (authOptions and RAY_AUTH_MODE in every container, the Secret mounted where the
   image looks for it, no token in the file); RDMA for the store and NCCL's variables in every pod;
   every worker in the ComputeDomain; /shared mounted everywhere and holding the config's paths.
@@ -41,6 +42,9 @@ CONFIG = ROOT / "configs" / "kimi_k3.yaml"
 NVLINK_DOMAIN_GPUS = 72  # one GB300 NVL72 rack: the most GPUs one multi-node NVLink domain has
 JOB_SCRIPT = "jobs/train_kimi_k3.py"
 REQUIRED_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")
+# What the image must hold: the packages and the job, its configs and prompt sets, and what
+# scripts/gpu_check.py runs (benchmarks/serve_dspark_gpu.py, benchmarks/serving.py).
+IMAGE_DIRS = ("dspark", "cluster", "jobs", "configs", "data", "scripts", "benchmarks", "constraints")
 
 
 def quantity(q) -> float:
@@ -56,7 +60,7 @@ def read_dockerfile(text: str) -> dict:
     """The Dockerfile's base image (ARG defaults substituted), WORKDIR, ENV values and RUN lines."""
     joined = re.sub(r"\\\n", " ", text)
     lines = [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    args, env, runs, base, workdir = {}, {}, [], None, None
+    args, env, runs, copies, base, workdir = {}, {}, [], [], None, None
     for ln in lines:
         word, _, rest = ln.partition(" ")
         word = word.upper()
@@ -71,7 +75,9 @@ def read_dockerfile(text: str) -> dict:
             env.update(dict(pair.split("=", 1) for pair in shlex.split(rest)))
         elif word == "RUN":
             runs.append(rest)
-    return {"base": base, "workdir": workdir, "env": env, "runs": runs}
+        elif word == "COPY":
+            copies.extend(rest.split()[:-1])
+    return {"base": base, "workdir": workdir, "env": env, "runs": runs, "copies": copies}
 
 
 def pins(lines) -> dict[str, str]:
@@ -219,6 +225,9 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
     for name, version in extra.items():
         if constrained.get(name) != version:
             bad.append(f"constraints/gpu.txt pins {name} {constrained.get(name)}, the `gpu` extra {version}")
+    missing_dirs = [d for d in IMAGE_DIRS if d not in docker["copies"]]
+    if missing_dirs:
+        bad.append(f"the Dockerfile does not copy {missing_dirs} into the image")
     if not any("-c constraints/gpu.txt" in r and ".[gpu" in r for r in docker["runs"]):
         bad.append("the Dockerfile does not install the `gpu` extra with -c constraints/gpu.txt")
     ray_pin = pins(project["dependencies"]).get("ray")
@@ -320,6 +329,8 @@ CHANGES = {
                               "one image"),
     "another vLLM base": (lambda s: s.update(dockerfile=s["dockerfile"].replace("vllm-openai:v0.32.0", "vllm-openai:v0.33.0")),
                           "is not vLLM 0.32.0"),
+    "no benchmarks in the image": (lambda s: s.update(dockerfile=s["dockerfile"].replace("COPY benchmarks ./benchmarks", "")),
+                                   "does not copy ['benchmarks']"),
     "constraints drift": (lambda s: s.update(constraints=s["constraints"].replace("vllm==0.32.0", "vllm==0.31.0")),
                           "pins vllm 0.31.0"),
     "no auth": (lambda s: _rayjob(s["docs"])["spec"]["rayClusterSpec"].pop("authOptions"), "authOptions {}"),
