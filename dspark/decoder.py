@@ -214,6 +214,14 @@ class SpeculativeDecoder:
         self.generator = torch.Generator().manual_seed(seed)
         self.n_aux = len(drafter.config.aux_layer_ids)
 
+    @classmethod
+    def from_recipe(cls, target_model, drafter: DSparkDrafter, spec: dict, temperature: float, **kwargs) -> "SpeculativeDecoder":
+        """The decoder vLLM's `--speculative-config` `spec` describes (`dspark.recipe.speculative_config`):
+        the same draft sampling, rejection rule and number of drafts, so τ measured here is τ of
+        the recipe that is served."""
+        return cls(target_model, drafter, spec["draft_sample_method"], spec["rejection_sample_method"], temperature,
+                   num_speculative_tokens=spec["num_speculative_tokens"], **kwargs)
+
     def _aux(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden[:, : self.n_aux].reshape(hidden.shape[0], -1)
 
