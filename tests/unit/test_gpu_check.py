@@ -1,0 +1,79 @@
+"""scripts/gpu_check.py where there is no GPU: its coverage table and plan, its two-sample
+statistic, and a dry run of the served-recipe check with a stand-in `vllm.LLM` (the code path
+from the recipe through the served evaluation to the table row; vLLM executes nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_coverage_table_and_plan(gpu_check):
+    table = gpu_check.coverage_table()
+    for name, gpus in gpu_check.CHECKS.items():  # every check in the table, with the GPUs it needs
+        row = next(line for line in table.splitlines() if line.split() and line.split()[0] == name)
+        assert row.split()[-1] == str(gpus), row
+    one = dict(gpu_check.plan(list(gpu_check.CHECKS), 1))
+    assert one["served_recipe"] is None and one["trainer_nccl"] is None
+    assert one["replica_tp2"] == "needs 2 GPUs, this machine has 1" and one["trainer_zero2_2r"] is not None
+    assert all(v is None for v in dict(gpu_check.plan(list(gpu_check.CHECKS), 2)).values())
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--list"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "served_recipe" in out and "this machine:" in out
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+
+
+def test_two_sample_chi_square(gpu_check):
+    rng = random.Random(0)
+    weights = [0.4, 0.3, 0.2, 0.05, 0.05]
+
+    def sample(w, n):
+        out: dict = {}
+        for k in rng.choices(range(len(w)), w, k=n):
+            out[(k,)] = out.get((k,), 0) + 1
+        return out
+
+    assert gpu_check.two_sample_chi_square(sample(weights, 3000), sample(weights, 3000))[2] > 1e-3
+    shifted = [0.35, 0.35, 0.2, 0.05, 0.05]  # 5% of the mass moved: what a wrong residual looks like
+    assert gpu_check.two_sample_chi_square(sample(weights, 3000), sample(shifted, 3000))[2] < 1e-3
+
+
+def test_served_recipe_dry_run(gpu_check, monkeypatch, tmp_path):
+    import vllm
+
+    import dspark.chat
+    from tests.unit.test_served_eval import FakeLLM
+
+    FakeLLM.engines = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(dspark.chat, "render_prompt", lambda tok, messages, chat: [1, 2, 3])
+    cfg = {"speculators_model_type": "dspark", "block_size": 8, "draft_vocab_size": 4000,
+           "transformer_layer_config": {"vocab_size": 49152},
+           "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}], "verifier": {"name_or_path": "t"}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ok, detail = gpu_check.check_served_recipe("target", str(tmp_path), tmp_path, samples=50)
+    assert ok, detail
+    spec_engines = [e for e in FakeLLM.engines if "speculative_config" in e.kwargs]
+    assert all(e.kwargs["speculative_config"]["rejection_sample_method"] == "block" for e in spec_engines)
+    assert len(FakeLLM.engines) == 4 and all(e.closed for e in FakeLLM.engines)  # one engine on the GPU at a time
+    assert FakeLLM.engines[2].calls == [[(0.8, i) for i in range(50)]]  # sampled, seeded per request
+    cfg["speculators_model_type"] = "dflash"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ok, detail = gpu_check.check_served_recipe("target", str(tmp_path), tmp_path, samples=50)
+    assert not ok and "not the one users are told to serve" in detail
