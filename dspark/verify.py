@@ -65,7 +65,9 @@ def verify_block(draft, draft_probs, target_probs, generator=None) -> tuple[int,
             h = mass / denom if denom > 0 else 1.0
         else:
             h = weight[k]
-        if float(torch.rand((), generator=generator)) <= h:
+        # η_i ≤ h_i in the paper, η continuous; torch.rand is uniform on [0, 1) and can be 0,
+        # so `<` keeps P(pass) = h exactly (with `<=`, h_i = 0 would still pass when η = 0).
+        if float(torch.rand((), generator=generator)) < h:
             accepted = i
     if accepted == k:
         return k, _sample(target_probs[k], generator)

@@ -165,3 +165,14 @@ def test_greedy():
     assert verify_greedy(torch.tensor([1, 0]), logits) == (2, 2)
     assert verify_greedy(torch.tensor([1, 2]), logits) == (1, 0)
     assert verify_greedy(torch.tensor([0, 2]), logits) == (0, 1)
+
+
+def test_a_draft_the_target_rules_out_is_never_kept(monkeypatch):
+    """Even when the uniform draw is exactly 0 (torch.rand can return it): a draft with target
+    probability 0 has acceptance weight 0 and must be rejected by both rules."""
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.6, 0.2, 0.2]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(()))
+    for verify in (verify_standard, verify_block):
+        n, nxt = verify(torch.tensor([0]), q, p)
+        assert n == 0 and nxt != 0, verify.__name__
