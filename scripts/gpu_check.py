@@ -174,7 +174,7 @@ def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 30
     stat, df, p = two_sample_chi_square(*counts)
     ok = greedy["lossless"] is True and (greedy["tau"] or 0) > 1 and p >= 1e-3 and taus[0] > 1
     return ok, (f"greedy: lossless={greedy['lossless']} over {greedy['lossless_check']['prompts']} prompts"
-                f"{'' if not differing else f' (first difference {differing[0]})'}, τ {greedy['tau']:.3f}; "
+                f"{'' if not differing else f' (first difference {differing[0]})'}, τ {greedy['tau'] or 0:.3f}; "
                 f"T={temperature}: τ {taus[0]:.3f}, first {compare_tokens} tokens of {samples} samples vs target alone: "
                 f"chi2 {stat:.1f}, df {df}, p {p:.3g} ({len(counts[1])} distinct)")
 
