@@ -18,7 +18,7 @@ What the recipe says, checked against the vLLM we pin (vllm 0.32.0; paths under 
 - Probabilistic drafting with a reduced draft vocabulary is valid for `dspark`: its speculator
   scatters the draft-vocabulary logits into target-vocabulary columns through `d2t` before it
   samples and caches them for the rejection sampler, the other columns at -inf, i.e.
-  probability 0 (`v1/worker/gpu/spec_decode/dspark/speculator.py:88-101, 127-134`), the
+  probability 0 (`v1/worker/gpu/spec_decode/dspark/speculator.py:90-105, 127-134`), the
   rejection kernel guards blocks of -inf (`rejection_sampler_utils.py:11-18`), and the Markov
   head is fed the sampled target id (`speculator.py:190`). vLLM refuses probabilistic drafting
   with a different vocabulary only for `method: draft_model` with `use_heterogeneous_vocab`
