@@ -615,7 +615,7 @@ class TrainingJob:
             pool.stop()
         calib = {}
         if self.uncommitted and self.cfg.drafter.enable_confidence_head and self.cfg.drafter.mode == "dspark":
-            calib = self.gang.on_rank0("calibrate", self.uncommitted[-32:])
+            calib = self.gang.calibrate(self.uncommitted[-32:])
         self.checkpoint()
         return calib
 
@@ -624,7 +624,7 @@ class TrainingJob:
         proof = self.record.verify(outcome, complete=self.ended_by == "data")
         log.info("exactly-once: %s", proof)
         final = self.run_dir / "final"
-        self.gang.on_rank0("export", str(final), calibration.get("temperatures"), self.cfg.target.name)
+        self.gang.export(str(final), calibration.get("temperatures"), self.cfg.target.name)
         counts = self.ledger_call("counts")
         results = {
             "run_dir": str(self.run_dir), "drafter": str(final), "steps": self.stats.step, "ended_by": self.ended_by,

@@ -63,7 +63,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_config(t: TrainerConfig, world_size: int) -> dict:
+def deepspeed_config(t: TrainerConfig, world_size: int, load_universal: bool = False) -> dict:
+    """`load_universal`: the checkpoint to load is in DeepSpeed's universal format (a resize)."""
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -76,6 +77,8 @@ def deepspeed_config(t: TrainerConfig, world_size: int) -> dict:
     }
     if t.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if load_universal:
+        cfg["checkpoint"] = {"load_universal": True}
     return cfg
 
 
@@ -164,10 +167,12 @@ class TrainerRank:
               resized: bool = False) -> dict:
         """Create the process group, the drafter and the engine; optionally resume.
 
-        `resized`: the checkpoint was written by a different data-parallel size. DeepSpeed cannot
-        re-partition ZeRO optimizer state across a new world size (and its universal-checkpoint
-        converter needs Megatron metadata), so the weights and the LR schedule carry over and
-        Adam's moments restart; the fp32 master weights come from the module's copy."""
+        `resized`: the checkpoint was written by a different data-parallel size. DeepSpeed's ZeRO
+        shards hold each rank's slice of the flattened optimizer state, which another world size
+        cannot read as is: rank 0 first converts the checkpoint into DeepSpeed's universal format
+        (one file per parameter: fp32 weights, Adam's moments and step; `universal_checkpoint`),
+        which every rank then loads into its own partition. The world goes on as the old one would
+        have (weights, moments, LR schedule, anchor generators)."""
         import deepspeed
 
         from dspark.losses import LossWeights
@@ -187,6 +192,12 @@ class TrainerRank:
         backend = "nccl" if self.s.device == "cuda" else "gloo"
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         d, t = self.s.drafter, self.s.trainer
+        if resume:
+            load_checkpoints_without_code()
+        # ZeRO 0 keeps the whole optimizer state on every rank: any world size reads it as is.
+        universal = bool(resume and resized and t.zero_stage > 0)
+        if universal:
+            resume = self.universal_checkpoint(resume)
         cfg = self._config(model_init)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = DSparkDrafter(cfg)
@@ -198,10 +209,17 @@ class TrainerRank:
         optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
                             total_steps=self.s.total_steps, min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip)
         opt, sched = build_optimizer(model, optim)
+        if t.zero_stage == 3:
+            # ZeRO-3 gathers a module's own weights around its forward only. The drafter's forward
+            # reads two weights of its submodules directly (the draft head's product and the
+            # target head's, the label): registered, they are gathered around the drafter's forward.
+            for weight in {id(w): w for w in (model.draft_head_weight, model.verifier_lm_head.weight)}.values():
+                deepspeed.zero.register_external_parameter(model, weight)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size),
+            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size, universal),
         )
         self.model = model
+        self.full_copy = None  # ZeRO-3, rank 0: the drafter with full weights (`gather_full_weights`)
         self.objective = DrafterObjective(
             model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
             seed=t.seed + 1000 * self.rank,
@@ -212,15 +230,41 @@ class TrainerRank:
             self.connect_store()
         step = 0
         if resume:
-            load_checkpoints_without_code()
-            _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False,
-                                                    load_optimizer_states=not resized)
+            _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False)
+            if client is None:
+                raise RuntimeError(f"no DeepSpeed checkpoint (tag ds) under {resume}")
             step = int(client["step"])
             self.set_lr_horizon(self.s.total_steps)  # the driver's, not the one saved with the scheduler
             saved = client["anchor_rng"]
             if self.rank < len(saved):  # a rank added by a resize keeps its fresh seed
                 self.objective.generator.set_state(saved[self.rank])
         return {"step": step, "rank": self.rank, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+    def universal_checkpoint(self, trainer_dir: str) -> str:
+        """Collective: the universal form of the DeepSpeed checkpoint in `trainer_dir` (written by
+        another world size), made once by rank 0 beside it (`universal/`, atomically renamed into
+        place, reused by a later resize from the same checkpoint); the other ranks wait for it at a
+        barrier (the gang's call deadline bounds the wait if rank 0 dies converting)."""
+        import torch.distributed as dist
+
+        dest = Path(trainer_dir).parent / "universal"
+        if self.rank == 0 and not (dest / "ds").is_dir():
+            from argparse import Namespace
+
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            tmp = dest.with_name(f".universal.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            # inject_missing_state: the conversion asks for Megatron's tensor/pipeline-parallel
+            # metadata, which a data-parallel-only checkpoint does not have (nothing to merge);
+            # one worker: no process pool inside the rank's actor.
+            ds_to_universal(Namespace(input_folder=str(Path(trainer_dir) / "ds"), output_folder=str(tmp / "ds"),
+                                      num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                      strict=True, inject_missing_state=True))
+            (tmp / "latest_universal").write_text("ds")
+            os.replace(tmp, dest)
+        dist.barrier()
+        return str(dest)
 
     def set_lr_horizon(self, total_steps: int) -> None:
         """The step the LR schedule ends at, from the next step on (the plan was measured or shortened)."""
@@ -265,11 +309,18 @@ class TrainerRank:
             self.batch_rows = rows
         return bad
 
-    def train_step(self, step: int, loss_scale: float = 1.0) -> dict:
-        """One optimizer step in lockstep with the other ranks. `loss_scale`: world size over
-        ranks with data, so that DeepSpeed's gradient average is the mean over those ranks
-        (a rank without data adds a zero gradient). Returns the metrics and, under `trained`,
-        the samples this rank trained on (for the exactly-once record).
+    def train_step(self, step: int) -> dict:
+        """One optimizer step in lockstep with the other ranks. Returns the metrics and, under
+        `trained`, the samples this rank trained on (for the exactly-once record).
+
+        The update is that of one batch made of every rank's samples, whatever their split:
+        each loss term is a sum over this rank's slots divided by the world's count of slots over
+        the world size (one all-reduce of two numbers), so DeepSpeed's mean of the ranks'
+        gradients is the gradient of the mean over all the world's slots. (Each rank dividing by
+        its own count, as before, weighted a slot by 1 / its rank's slots: the ranks' samples
+        differ in number and length, so the two-rank world trained on another mixture than one
+        rank did on the same samples.) A rank without data takes part with zero slots and a zero
+        gradient.
 
         A non-finite loss on any rank skips the update on every rank (they agree through an
         all-reduce, so the engines stay in lockstep): `skipped` is set, `nonfinite` on the ranks
@@ -279,12 +330,17 @@ class TrainerRank:
         if self.fetched_step != step:
             raise RuntimeError(f"rank {self.rank}: train_step({step}) without fetch({step})")
         t0 = time.perf_counter()
+
+        def share_counts(local: torch.Tensor) -> torch.Tensor:  # collective: once per step on every rank
+            counts = local.detach().to(device=self.engine.device, dtype=torch.float64).clone()
+            dist.all_reduce(counts)
+            return counts / self.world_size
+
         loss, metrics = (None, {})
         if self.batch is not None:
-            loss, metrics = self.objective(self.batch, module=self.engine)
-        if loss is None:
-            # Nothing to learn on this rank this step; still take part in the all-reduce.
-            loss = sum((p * 0).sum() for p in self.engine.module.parameters() if p.requires_grad)
+            loss, metrics = self.objective(self.batch, module=self.engine, share_counts=share_counts)
+        if loss is None:  # no data, or none with room for a block
+            loss = self.idle_loss(share_counts)
         if self.rank == 0 and self.faults_fired[step] < self.s.trainer.fault_nonfinite_steps.count(step):
             self.faults_fired[step] += 1  # fault injection (tests): as many NaN losses at `step` as it is listed
             loss = loss * float("nan")
@@ -293,7 +349,7 @@ class TrainerRank:
         dist.all_reduce(flag)
         skipped = bool(flag.item() > 0)
         if not skipped:
-            self.engine.backward(loss * loss_scale)
+            self.engine.backward(loss)
             self.engine.step()
         if self.s.trainer.throttle_s:
             time.sleep(self.s.trainer.throttle_s)
@@ -307,17 +363,77 @@ class TrainerRank:
         self.batch, self.batch_rows = None, []
         return metrics
 
+    def idle_loss(self, share_counts) -> torch.Tensor:
+        """A zero loss for a rank with nothing to train this step that still takes part in every
+        collective of the step, in the others' order: a forward of the real model on a placeholder
+        block, the world's slot count (`share_counts`, with zero slots) where the others count
+        theirs, and a backward of the loss zeroed. Under ZeRO-3 the others' forward and backward
+        gather weights and reduce gradients module by module, so a rank that skipped them (or
+        counted before its forward) would leave the world waiting; under ZeRO 0-2 its gradients
+        are zeros of every shape the reduction expects."""
+        from dspark.samples import Sample
+
+        def count_nothing(local: torch.Tensor) -> torch.Tensor:
+            share_counts(torch.zeros_like(local))
+            return torch.ones_like(local)  # any divisor: the loss is zeroed
+
+        cfg = self.model.config
+        length = cfg.block_size + 2  # room for one anchor whose block is whole
+        layers = self.model.config.extract_layer_ids
+        dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
+        placeholder = Sample(torch.zeros(length, dtype=torch.long), torch.ones(length, dtype=torch.bool),
+                             torch.zeros(length, len(layers), cfg.hidden_size, dtype=torch.bfloat16), list(layers))
+        batch = self.objective.pack([placeholder], device=self.engine.device, dtype=dtype)
+        loss, _ = self.objective(batch, module=self.engine, share_counts=count_nothing)
+        return loss * 0.0
+
     def parameters_finite(self) -> bool:
         """Checked before every checkpoint: a model that went non-finite is never saved."""
         from dspark.samples import all_finite
 
-        return all(all_finite(p.detach()) for p in self.model.parameters() if p.requires_grad and p.numel())
+        # ZeRO-3: a rank holds a partition of each weight (`ds_tensor`; the parameter itself is
+        # empty outside a forward); every rank is asked, so the partitions cover every weight.
+        held = (getattr(p, "ds_tensor", p) for p in self.model.parameters() if p.requires_grad)
+        return all(all_finite(w.detach()) for w in held if w.numel())
+
+    def gather_full_weights(self) -> None:
+        """Collective: makes `full_drafter()` current on rank 0. Under ZeRO-3 each rank holds a
+        partition of every weight; they gather them together and rank 0 keeps a plain copy of the
+        drafter (without DeepSpeed's hooks: a forward that rank 0 runs alone, as calibration does,
+        must not wait for the others). Under ZeRO 0-2 every rank holds the full weights already."""
+        if self.s.trainer.zero_stage != 3:
+            return
+        import deepspeed
+
+        from dspark.model import FROZEN_TARGET_KEYS, DSparkDrafter
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None):
+            state = {k: v.detach().clone() for k, v in self.model.trainable_state_dict().items()} if self.rank == 0 else None
+        if self.rank == 0:
+            if self.full_copy is None:
+                # The frozen target weights are read from the target, as loading a checkpoint does;
+                # the config object is the world's own, so what calibration writes into it stays.
+                self.full_copy = DSparkDrafter(self.model.config)
+                self.full_copy.load_target_weights(self.s.target_path)
+            missing, unexpected = self.full_copy.load_state_dict(state, strict=False)
+            if unexpected or set(missing) - set(FROZEN_TARGET_KEYS):
+                raise RuntimeError(f"gathered drafter: missing {missing}, unexpected {unexpected}")
+
+    def full_drafter(self):
+        """Rank 0: the drafter with its full, current weights (under ZeRO-3 after `gather_full_weights`)."""
+        if self.s.trainer.zero_stage != 3:
+            return self.model
+        if self.full_copy is None:
+            raise RuntimeError("ZeRO-3: gather_full_weights must run on every rank before rank 0 reads the drafter")
+        return self.full_copy
 
     def save(self, tmp_dir: str, step: int, anchor_rngs: list) -> None:
         """Collective: every rank writes its DeepSpeed shard under `tmp_dir/trainer`."""
         self.engine.save_checkpoint(str(Path(tmp_dir) / "trainer"), tag="ds",
                                     client_state={"step": step, "anchor_rng": anchor_rngs},
                                     exclude_frozen_parameters=True)
+        self.gather_full_weights()  # for the drafter that rank 0 adds (`finalize_checkpoint`)
 
     def anchor_rng(self):
         return self.objective.generator.get_state()
@@ -327,7 +443,7 @@ class TrainerRank:
         from dspark.checkpoint import save_drafter
 
         tmp, dest = Path(tmp_dir), Path(dest)
-        save_drafter(self.model, tmp / "drafter")
+        save_drafter(self.full_drafter(), tmp / "drafter")
         (tmp / "ledger.json").write_text(json.dumps(ledger_state))
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
         for f in tmp.rglob("*"):  # on disk before the rename makes it the latest
@@ -347,11 +463,12 @@ class TrainerRank:
     def export(self, dest: str, confidence_temperatures: list[float] | None = None, verifier: str | None = None) -> str:
         from dspark.checkpoint import save_drafter
 
+        model = self.full_drafter()
         if verifier:
-            self.model.config.verifier_name_or_path = verifier
+            model.config.verifier_name_or_path = verifier
         if confidence_temperatures is not None:
-            self.model.config.confidence_temperatures = confidence_temperatures
-        save_drafter(self.model, dest)
+            model.config.confidence_temperatures = confidence_temperatures
+        save_drafter(model, dest)
         return dest
 
     def calibrate(self, rows: list[dict]) -> dict:
@@ -361,8 +478,9 @@ class TrainerRank:
 
         samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
         batches = [self.objective.pack([s]).to(dtype=torch.float32) for s in samples]
-        self.model.float()
-        return calibrate_confidence(self.model, batches, self.objective.num_anchors)
+        model = self.full_drafter()
+        model.float()
+        return calibrate_confidence(model, batches, self.objective.num_anchors)
 
 
 def vocab_mapping_from(samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int,

@@ -124,9 +124,20 @@ class TrainerGang:
         return {uid: why for bad in self._wait(refs, f"reading step {step}") for uid, why in bad.items()}
 
     def train_step(self, step: int, lease: list[list[dict]]) -> list[dict]:
-        with_data = sum(1 for rows in lease if rows)
-        scale = self.size / max(with_data, 1)
-        return self._wait([r.train_step.remote(step, scale) for r in self.ranks], f"step {step}")
+        """One update of the world on `lease` (already fetched): the ranks weight their losses by
+        the world's token count themselves, so ranks without data need no special case."""
+        return self._wait([r.train_step.remote(step) for r in self.ranks], f"step {step}")
+
+    # ---- the drafter's full weights on rank 0 ------------------------------------------------
+    def calibrate(self, rows: list[dict]) -> dict:
+        """Confidence temperatures fitted on `rows` by rank 0, on the world's current weights."""
+        self.call("gather_full_weights")  # (collective under ZeRO-3, where rank 0 holds a partition)
+        return self.on_rank0("calibrate", rows)
+
+    def export(self, dest: str, confidence_temperatures: list[float] | None, verifier: str | None) -> str:
+        """Rank 0 writes the drafter (speculators format) to `dest`."""
+        self.call("gather_full_weights")
+        return self.on_rank0("export", dest, confidence_temperatures, verifier)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, tmp: Path, dest: Path, step: int, ledger_state: dict, meta: dict) -> Path:

@@ -74,6 +74,13 @@ def expected_calibration_error(pred: torch.Tensor, label: torch.Tensor, n_bins: 
     return gap.abs().sum() / count.sum()
 
 
+def loss_counts(out: BlockOutputs, t2d: torch.Tensor | None = None) -> torch.Tensor:
+    """This batch's divisors of `drafter_loss`'s terms, float64 `[2]`: slots with a target (the
+    L1 and confidence terms) and those whose target is in the draft vocabulary (the CE term)."""
+    ce_valid = out.valid & (target_draft_ids(out.target_ids, t2d) >= 0)
+    return torch.stack([out.valid.sum(), ce_valid.sum()]).to(torch.float64)
+
+
 def drafter_loss(
     out: BlockOutputs,
     block_size: int,
@@ -81,10 +88,17 @@ def drafter_loss(
     weights: LossWeights,
     d2t_ids: torch.Tensor | None = None,
     t2d: torch.Tensor | None = None,
+    denominators: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss and metrics for one batch of teacher-forced blocks.
 
     `d2t_ids` maps draft index → target id (None for a full-vocab drafter).
+    `denominators`: what each term's weighted sum is divided by, in the order of `loss_counts`
+    (slots with a target, slots whose target is in the draft vocabulary). None: this batch's own
+    counts, the mean over its slots. A data-parallel rank passes the world's counts over the world
+    size, so that the mean of the ranks' gradients (what DeepSpeed takes) is the gradient of the
+    mean over every slot of the global batch, however the slots are spread over the ranks. The
+    metrics stay this batch's own means either way.
     """
     valid = out.valid
     vf = valid.float()
@@ -102,21 +116,27 @@ def drafter_loss(
     ce_valid = valid & (tgt_d >= 0)
     ce = -logq.gather(-1, tgt_d.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
-    def reduce(term: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return (term * pw * mask.float()).sum() / mask.float().sum().clamp(min=1.0)
+    local = torch.stack([vf.sum(), ce_valid.float().sum()]).clamp(min=1.0)
+    # A world's count is zero only where every rank's sum is zero too: any divisor but 0 will do.
+    denom = local if denominators is None else torch.where(denominators > 0, denominators.to(vf), torch.ones_like(local))
 
-    ce_loss, l1_loss = reduce(ce, ce_valid), reduce(l1, valid)
-    loss = weights.ce * ce_loss + weights.l1 * l1_loss
+    def weighted_sum(term: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (term * pw * mask.float()).sum()
+
+    ce_sum, l1_sum = weighted_sum(ce, ce_valid), weighted_sum(l1, valid)
+    loss = weights.ce * ce_sum / denom[1] + weights.l1 * l1_sum / denom[0]
     c_star = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
-    metrics: dict[str, float] = {"ce": float(ce_loss.detach()), "l1": float(l1_loss.detach())}
+    metrics: dict[str, float] = {"ce": float(ce_sum.detach() / local[1]), "l1": float(l1_sum.detach() / local[0])}
+    local_loss = weights.ce * metrics["ce"] + weights.l1 * metrics["l1"]
     if out.confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(out.confidence_logits.float(), c_star, reduction="none")
-        conf_loss = reduce(bce, valid)
-        loss = loss + weights.confidence * conf_loss
+        bce_sum = weighted_sum(bce, valid)
+        loss = loss + weights.confidence * bce_sum / denom[0]
         conf = torch.sigmoid(out.confidence_logits.detach().float())
-        metrics["confidence_bce"] = float(conf_loss.detach())
+        metrics["confidence_bce"] = float(bce_sum.detach() / local[0])
+        local_loss += weights.confidence * metrics["confidence_bce"]
         metrics["confidence_ece"] = float(expected_calibration_error(conf[valid], c_star[valid]))
-    metrics["loss"] = float(loss.detach())
+    metrics["loss"] = local_loss if denominators is not None else float(loss.detach())
 
     with torch.no_grad():
         j = draft_slot_index(block_size, slot_shift, valid.device)

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import record_function
 
 from .calibration import sequential_temperature_scaling
-from .losses import LossWeights, draft_slot_index, drafter_loss, target_probs_on_draft_vocab
+from .losses import LossWeights, draft_slot_index, drafter_loss, loss_counts, target_probs_on_draft_vocab
 from .model import DSparkDrafter
 from .samples import PackedBatch, Sample, pack
 
@@ -110,8 +110,15 @@ class DrafterObjective:
             batch.sample_keys = list(keys)
         return batch.to(device, dtype)
 
-    def __call__(self, batch: PackedBatch, module=None):
-        """Loss and metrics; `module` is what to call (a DeepSpeed engine wraps the model)."""
+    def __call__(self, batch: PackedBatch, module=None, share_counts=None):
+        """Loss and metrics; `module` is what to call (a DeepSpeed engine wraps the model).
+
+        `share_counts` (data-parallel training): a collective that takes this batch's
+        `loss_counts` and returns the divisors of the loss terms for this rank (the world's
+        counts over the world size, see `drafter_loss`). It is called once, after the forward
+        (under ZeRO-3 the forward's own collectives come first on every rank), unless this batch
+        has no block to train: then nothing runs and (None, {}) is returned, and the caller must
+        still take part in the world's collectives in that order."""
         m = self.model
         anchors = m.sample_anchors(batch, self.num_anchors, self.generator)
         if anchors.numel() == 0:
@@ -123,8 +130,9 @@ class DrafterObjective:
         if batch.sample_keys is not None and out.target_log_norm is not None:
             self._remember(batch, out.target_positions, out.target_log_norm)
         d2t_ids = m.draft_to_target_ids() if m.use_draft_vocab else None
+        denominators = share_counts(loss_counts(out, m.t2d)) if share_counts is not None else None
         with record_function("dspark.loss"):
-            return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d)
+            return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d, denominators)
 
     @torch.no_grad()
     def _remember(self, batch: PackedBatch, positions: torch.Tensor, log_norm: torch.Tensor) -> None:

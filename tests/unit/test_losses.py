@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark.losses import LossWeights, drafter_loss, expected_calibration_error, position_weights
+from dspark.losses import LossWeights, drafter_loss, expected_calibration_error, loss_counts, position_weights
 from dspark.model import BlockOutputs
 from dspark.samples import PackedBatch
 
@@ -74,6 +74,34 @@ def test_loss_matches_naive(shift, reduced):
     ref, parts = naive_loss(out, shift, w, d2t_ids)
     assert float(loss) == pytest.approx(ref, rel=1e-5)
     assert metrics["l1"] == pytest.approx(parts["l1"], rel=1e-5)
+
+
+def rows_of(out: BlockOutputs, rows: slice) -> BlockOutputs:
+    return BlockOutputs(logits=out.logits[rows], confidence_logits=out.confidence_logits[rows],
+                        target_logits=out.target_logits[rows], target_ids=out.target_ids[rows],
+                        valid=out.valid[rows], hidden=out.hidden[rows])
+
+
+def test_ranks_with_world_denominators_average_to_the_whole_batch_loss():
+    """Data parallelism: blocks split 2 : 9 over two ranks; each rank divides by the world's
+    counts over the world size, and the mean of the two losses (what averaging their gradients
+    differentiates) is the loss of all the blocks as one batch, by the naive loops. Each rank's
+    own mean, as the ranks took before, is not."""
+    out = random_outputs(n=11, seed=3, reduced=True)
+    d2t_ids = torch.sort(torch.randperm(80, generator=torch.Generator().manual_seed(5))[:50]).values
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[d2t_ids] = True
+    w = LossWeights(ce=0.1, l1=0.9, confidence=1.0, decay=4.0)
+    ranks = [rows_of(out, slice(0, 2)), rows_of(out, slice(2, 11))]
+    world = sum(loss_counts(r, t2d) for r in ranks)
+    assert world.tolist() == loss_counts(out, t2d).tolist()
+    shared = [drafter_loss(r, 4, 1, w, d2t_ids, t2d, world / len(ranks)) for r in ranks]
+    own = [drafter_loss(r, 4, 1, w, d2t_ids, t2d) for r in ranks]
+    whole, _ = naive_loss(out, 1, w, d2t_ids)
+    assert float(sum(loss for loss, _ in shared) / len(ranks)) == pytest.approx(whole, rel=1e-5)
+    assert float(sum(loss for loss, _ in own) / len(ranks)) != pytest.approx(whole, rel=1e-2)
+    # the metrics stay each rank's own means
+    assert shared[0][1]["loss"] == pytest.approx(own[0][1]["loss"], rel=1e-6)
 
 
 def test_position_weights_closed_form():
