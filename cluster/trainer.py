@@ -230,9 +230,21 @@ class TrainerRank:
             self.connect_store()
         step = 0
         if resume:
+            decay = [group["weight_decay"] for group in opt.param_groups]
             _, client = self.engine.load_checkpoint(resume, tag="ds", load_module_strict=False)
             if client is None:
                 raise RuntimeError(f"no DeepSpeed checkpoint (tag ds) under {resume}")
+            # DeepSpeed 0.19.8's ZeRO-3 universal load gives every param group the first group's
+            # hyperparameters: the norms' and biases' group (no weight decay) would be decayed.
+            # The LR comes from the schedule; the weight decay is this config's, group by group.
+            for group, weight_decay in zip(opt.param_groups, decay):
+                group["weight_decay"] = weight_decay
+            # It also hands every group one and the same `step` tensor, which AdamW increments in
+            # place: each group's step would then advance once per group per update, and Adam's
+            # bias correction be wrong from the first step on (measured: 1.4e-3 off after two).
+            for state in opt.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
             step = int(client["step"])
             self.set_lr_horizon(self.s.total_steps)  # the driver's, not the one saved with the scheduler
             saved = client["anchor_rng"]
