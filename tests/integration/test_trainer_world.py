@@ -163,10 +163,11 @@ class World:
         release(self.placed)
 
 
-def drafter_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+def drafter_weights(checkpoint: Path, drafter: str = "drafter") -> dict[str, torch.Tensor]:
+    """The drafter's tensors: in a job checkpoint (`drafter/`), or an exported drafter (`drafter=""`)."""
     from safetensors.torch import load_file
 
-    return load_file(str(checkpoint / "drafter" / "model.safetensors"))
+    return load_file(str(checkpoint / drafter / "model.safetensors"))
 
 
 def max_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -196,8 +197,16 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
         for step, ranks in enumerate(world_data["steps"], start=1):
             slots.append([m.get("valid_slots", 0) for m in world.step(step, ranks)])
         weights = drafter_weights(world.checkpoint(tmp_path, len(STEPS)))
+        # What the job does at its end, on rank 0 alone, with the full weights: calibrate the
+        # confidence head on held-back rows, export the drafter.
+        calibration = world.gang.calibrate([row for rows in world_data["steps"][0] for row in rows])
+        exported = Path(world.gang.export(str(tmp_path / "final"), calibration["temperatures"], "tiny-target"))
     finally:
         world.close()
+    assert len(calibration["temperatures"]) == drafter_config().block_size
+    config = json.loads((exported / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert max_difference(drafter_weights(exported, ""), weights)[0] == 0.0
     assert all(b > 2 * a > 0 for a, b in slots[:-1]), f"the test needs ranks with unequal slot counts: {slots}"
     assert slots[-1][0] == 0 < slots[-1][1]
     start = drafter_weights_at_start(tiny_target, world_data)
