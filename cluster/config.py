@@ -491,8 +491,11 @@ def validate(cfg: JobConfig) -> None:
                               f"trainer_nodes x trainer_ranks_per_node ({g.trainer_ranks}) <= max, got {lo}..{hi}")
         if cfg.device == "cuda" and g.gpus_per_node <= 0:
             raise ConfigError(f"config error at `{where}.gpus_per_node`: device=cuda needs GPUs per node")
+        tp, spread = cfg.target.tensor_parallel_size, cfg.target.nodes_per_replica
+        if g.gpus_per_node <= 0 and tp % spread:
+            raise ConfigError(f"config error at `target.nodes_per_replica`: {tp} tensor-parallel ranks do not split "
+                              f"evenly over {spread} nodes")
         if g.gpus_per_node > 0:
-            tp, spread = cfg.target.tensor_parallel_size, cfg.target.nodes_per_replica
             if tp % spread or not 1 <= tp // spread <= g.gpus_per_node:
                 raise ConfigError(
                     f"config error at `target.tensor_parallel_size`: {tp} GPUs over nodes_per_replica={spread} node(s) "

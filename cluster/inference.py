@@ -69,6 +69,20 @@ class InferenceSettings:
     chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
     flush_timeout_s: float = 60.0
     cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
+    span: EngineSpan | None = None  # an engine over several nodes: this process's part of it
+
+
+@dataclass(frozen=True)
+class EngineSpan:
+    """A CPU replica whose tensor-parallel ranks span `nnodes` nodes (`target.nodes_per_replica`),
+    run by vLLM's multiprocessing executor across nodes: the leader (node rank 0) is the replica's
+    engine; every other node runs a `HeadlessEngineWorker` for its ranks (what `vllm serve
+    --headless` runs); they meet at the leader's `master_addr:master_port`."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
 
 
 @dataclass
@@ -129,6 +143,9 @@ def engine_kwargs(s: InferenceSettings) -> dict:
         enforce_eager=s.enforce_eager, tensor_parallel_size=s.tensor_parallel_size, kv_cache_dtype=s.kv_cache_dtype,
         seed=0, trust_remote_code=s.trust_remote_code,
     )
+    if s.span is not None:
+        kwargs.update(nnodes=s.span.nnodes, node_rank=s.span.node_rank, master_addr=s.span.master_addr,
+                      master_port=s.span.master_port)
     if s.kv_cache_blocks is not None:
         kwargs.update(num_gpu_blocks_override=s.kv_cache_blocks)
     if backend := executor_backend(s.device, s.tensor_parallel_size):
@@ -156,6 +173,16 @@ def engine_kwargs(s: InferenceSettings) -> dict:
             },
         }
     return kwargs
+
+
+def set_cpu_engine_env(s: InferenceSettings) -> None:
+    """The environment vLLM's CPU engine reads in this process and its workers: the KV cache's
+    GiB per rank, and with TP a core set per rank of this node (its share of the ranks)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gb))
+    local_ranks = s.tensor_parallel_size // (s.span.nnodes if s.span else 1)
+    if s.tensor_parallel_size > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(list(os.sched_getaffinity(0)), local_ranks,
+                                                                   s.cpu_threads)
 
 
 def output_files() -> list[Path]:
@@ -218,10 +245,7 @@ class InferenceActor(Producer):
             # One engine process per actor: the actor *is* the replica, and the store client
             # of the connector lives here too (with TP, rank 0's worker holds another).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gb))
-            if s.tensor_parallel_size > 1:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(
-                    list(os.sched_getaffinity(0)), s.tensor_parallel_size, s.cpu_threads)
+            set_cpu_engine_env(s)
         self.llm = start_engine(engine_kwargs(s))
         self.tokenizer = self.llm.get_tokenizer()
         self._store: HiddenStateStore | None = None
@@ -319,3 +343,25 @@ class InferenceActor(Producer):
             else:
                 reports.append({"uid": p["uid"], "error": r.error})
         return reports
+
+
+class HeadlessEngineWorker:
+    """A CPU replica's ranks on a node other than its leader's (`EngineSpan.node_rank` >= 1):
+    vLLM's multiprocessing executor in headless mode, as `vllm serve --headless` starts it. Its
+    constructor returns once its workers joined the leader's (so the leader must be starting
+    too); they then take their part of every step the leader's engine schedules. They do not
+    end with the leader: the replica's owner kills this actor, and vLLM's workers exit with it
+    (they watch their parent through a pipe)."""
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+        assert settings.span is not None and settings.span.node_rank > 0, "the leader is an InferenceActor"
+        os.environ[SAMPLE_KEY_ENV] = settings.store.sample_key  # (its ranks write nothing: rank 0 is the leader's)
+        set_cpu_engine_env(settings)
+        config = EngineArgs(**engine_kwargs(settings)).create_engine_config(headless=True)
+        self.executor = MultiprocExecutor(config, monitor_workers=False)
+
+    def alive(self) -> bool:
+        return not getattr(self.executor, "is_failed", False)

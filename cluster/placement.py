@@ -79,6 +79,9 @@ def replica_bundles(cfg: JobConfig, group_index: int) -> list[dict]:
     g = cfg.topology.groups[group_index]
     if g.gpus_per_node > 0 and cfg.inference.backend == "vllm":
         return [{"GPU": 1.0, "CPU": g.cpus_per_replica} for _ in range(cfg.target.tensor_parallel_size)]
+    if cfg.inference.backend == "vllm" and cfg.target.nodes_per_replica > 1:
+        # a CPU engine across nodes (vLLM's multi-node multiprocessing executor): one bundle per node
+        return [{"CPU": g.cpus_per_replica} for _ in range(cfg.target.nodes_per_replica)]
     return [{"CPU": g.cpus_per_replica}]
 
 
@@ -94,8 +97,11 @@ def cluster_request(cfg: JobConfig, shapes: list[tuple[int, int]]) -> list[dict]
 def replica_spec(cfg: JobConfig, group_index: int, index: int = 0) -> RoleSpec:
     g, t = cfg.topology.groups[group_index], cfg.target
     bundles = replica_bundles(cfg, group_index)
-    return RoleSpec(g.name, "inference", index, bundles, "PACK",
-                    t.nodes_per_replica if any(b.get("GPU") for b in bundles) else 1, cfg.run_name)
+    if any(b.get("GPU") for b in bundles):
+        return RoleSpec(g.name, "inference", index, bundles, "PACK", t.nodes_per_replica, cfg.run_name)
+    # CPU bundles: one per node the engine spans, each on its own node
+    return RoleSpec(g.name, "inference", index, bundles, "STRICT_SPREAD" if len(bundles) > 1 else "PACK", len(bundles),
+                    cfg.run_name)
 
 
 def trainer_specs(cfg: JobConfig, layout: dict[str, int] | None = None, generation: int = 0) -> list[RoleSpec]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cluster.errors import cause_of
 from cluster.placement import Placed, RoleSpec, place
@@ -50,21 +50,72 @@ class Replica:
     serving: object  # the ObjectRef of its `serve` loop: ready when it ends or dies
     placed: Placed
     owned: bool  # its placement group was made by the pool (the autoscaler's), not the job's
+    helpers: list = field(default_factory=list)  # its headless engine workers on other nodes (CPU, multi-node)
 
 
-def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | None = None) -> dict:
+def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | None = None, node: int = 0) -> dict:
     """Ray options for an actor that runs a vLLM engine in a replica's placement group: on its
-    first bundle (node order); with TP > 1 the engine's own Ray workers take the GPUs, in the
-    bundle order vLLM is told (node by node). `env`: more of the actor's environment."""
+    first bundle (node order), or the first of the `node`-th node it spans (a CPU replica's
+    headless worker); with GPU TP > 1 the engine's own Ray workers take the GPUs, in the bundle
+    order vLLM is told (node by node). `env`: more of the actor's environment."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = placed.spec.bundles[0]
+    index = placed.order[node * len(placed.order) // placed.spec.nodes]
+    bundle = placed.spec.bundles[index]
     env = dict(env or {})
     if bundle.get("GPU"):
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
     return {"num_cpus": bundle.get("CPU", 1), "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0]),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=index),
             "runtime_env": {"env_vars": env} if env else None}
+
+
+def spans_nodes(settings, placed: Placed) -> bool:
+    """Whether a replica's engine is vLLM's multi-node multiprocessing executor: a CPU engine
+    whose placement group spans nodes (GPU engines span them with vLLM's Ray executor)."""
+    return getattr(settings, "device", None) == "cpu" and placed.spec.nodes > 1
+
+
+def leader_port(placed: Placed, timeout_s: float = 60.0) -> tuple[str, int]:
+    """The leader node's address and a port free there, found by a task on the leader's bundle
+    (the driver may run on another node)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.process import free_port
+
+    @ray.remote(num_cpus=0)
+    def probe() -> int:
+        return free_port(ray.util.get_node_ip_address())
+
+    strategy = PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=placed.order[0])
+    port = ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=timeout_s)
+    return placed.node_ips[placed.bundle_nodes[placed.order[0]]], port
+
+
+def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict | None, name: str,
+                        args: tuple = ()) -> tuple[object, list]:
+    """A replica's engine actors: the engine (`actor_class`, e.g. `InferenceActor`) on the
+    placement group's first node, and where a CPU engine spans nodes, one `HeadlessEngineWorker`
+    on each other node, started together (each waits for the others at the leader's address).
+    Returns (the engine actor, the headless workers)."""
+    import ray
+
+    from cluster.inference import EngineSpan, HeadlessEngineWorker
+
+    tp = getattr(settings, "tensor_parallel_size", 1)
+    helpers = []
+    if spans_nodes(settings, placed):
+        addr, port = leader_port(placed)
+        nodes = placed.spec.nodes
+        for rank in range(1, nodes):
+            helpers.append(ray.remote(HeadlessEngineWorker).options(
+                name=f"{name}-node{rank}", **engine_actor_options(placed, tp, env, node=rank),
+            ).remote(replace(settings, span=EngineSpan(nodes, rank, addr, port))))
+        settings = replace(settings, span=EngineSpan(nodes, 0, addr, port))
+    engine = ray.remote(actor_class).options(max_concurrency=2, name=name, **engine_actor_options(placed, tp, env)).remote(
+        settings, *args)
+    return engine, helpers
 
 
 class ReplicaPool:
@@ -96,12 +147,15 @@ class ReplicaPool:
             self.seq += 1
             self.services.ensure_node_stores([placed])
             settings = replace(self.spec.settings, store=self.services.store_config())
-            actor = self.ray.remote(self.spec.actor_class).options(
-                max_concurrency=2, name=f"{self.run_name}-{rid}",
-                **engine_actor_options(placed, getattr(settings, "tensor_parallel_size", 1), self.spec.env),
-            ).remote(settings, rid, self.group)
-            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned)
+            actor, helpers = start_engine_actors(self.spec.actor_class, settings, placed, self.spec.env,
+                                                 f"{self.run_name}-{rid}", (rid, self.group))
+            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned,
+                                         helpers)
             return rid
+
+    def _kill_replica(self, rep: Replica) -> None:
+        for actor in [rep.actor, *rep.helpers]:
+            self.ray.kill(actor, no_restart=True)
 
     def supervise(self) -> None:
         """Kill hung producers; replace those whose serve loop died (their prompts go back to
@@ -120,7 +174,7 @@ class ReplicaPool:
                 cause = self.hung.pop(rid, None) or cause_of(error, 1000)
                 returned = self.ray.get(self.ledger.replica_died.remote(rid, cause), timeout=30)
                 del self.replicas[rid]
-                self.ray.kill(rep.actor, no_restart=True)
+                self._kill_replica(rep)
                 at_start = bool(getattr(error, "actor_init_failed", False))
                 self._event(f"replica {rid} {'failed to start' if at_start else 'died'} ({cause}); "
                             f"{returned} prompts back to pending", logging.WARNING)
@@ -185,7 +239,7 @@ class ReplicaPool:
             self.ray.get(rep.serving, timeout=drain_timeout_s)
         except Exception:  # noqa: BLE001 - died (or hung) while draining: its prompts go back
             self.ray.get(self.ledger.replica_died.remote(rid), timeout=30)
-        self.ray.kill(rep.actor, no_restart=True)
+        self._kill_replica(rep)
         if rep.owned:
             remove_placement_group(rep.placed.pg)
         self._event(f"removed replica {rid}")
@@ -209,7 +263,7 @@ class ReplicaPool:
                 self.ray.get(rep.serving, timeout=drain_timeout_s)
             except Exception:  # noqa: BLE001
                 pass
-            self.ray.kill(rep.actor, no_restart=True)
+            self._kill_replica(rep)
             if rep.owned:
                 remove_placement_group(rep.placed.pg)
 

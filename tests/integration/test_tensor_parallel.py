@@ -73,3 +73,23 @@ def test_tp2_replica_runs_through_several_times_its_kv_cache(tp_runs):
     assert stats[2]["kv_cache_tokens"] == KV_BLOCKS * 128
     assert tokens >= 4 * stats[2]["kv_cache_tokens"], (tokens, stats[2]["kv_cache_tokens"])
     assert all(r.ref is not None for r in out[2]) and stats[2]["failed"] == 0
+
+
+@pytest.mark.slow
+def test_a_replica_across_two_ray_nodes():
+    """`nodes_per_replica: 2` on CPU: two raylets, the replica's placement group spread over both,
+    vLLM's multi-node multiprocessing executor (engine actor + headless worker actor); the same
+    tokens and rows as a TP-1 replica. In a process of its own: it needs a Ray cluster of its own."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "tests.integration.two_node_replica"], cwd=root, capture_output=True,
+                         text=True, timeout=600, errors="replace")
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, (run.stdout[-3000:], run.stderr[-3000:])
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["nodes"] == 2 and result["helpers"] == 1
+    assert result["same_tokens"] and result["min_cos"] >= 0.999 and result["samples"] == 8, result
