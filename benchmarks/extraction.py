@@ -53,7 +53,7 @@ def main() -> None:
     from dataclasses import replace
 
     from cluster.inference import InferenceActor, InferenceSettings
-    from cluster.master import MooncakeMaster
+    from cluster.store import MooncakeMaster
     from cluster.store import HiddenStateStore, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_smollm2

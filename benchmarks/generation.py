@@ -10,7 +10,7 @@ replica:
 
 - `plain`: `LLM.generate` alone (no extraction), the ceiling;
 - `job`: `InferenceActor.process` — regenerate with the capturing target
-  (`cluster.capture_model`) and put the aux and final states through our Mooncake connector into
+  (`cluster.inference.capture_model`) and put the aux and final states through our Mooncake connector into
   a real store — what the job's replica does;
 and the environment knobs a replica can be given: `threads=N` (the engine's OpenMP/torch
 threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel OpenMP preloaded, as
@@ -54,7 +54,7 @@ def main() -> None:
     from cluster.config import load_config, resolve_for_machine
     from cluster.hardware import preload_libraries, read_cpu
     from cluster.inference import InferenceActor, InferenceSettings
-    from cluster.master import MooncakeMaster
+    from cluster.store import MooncakeMaster
     from cluster.store import HiddenStateStore, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_smollm2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.ledger import SampleLedger  # noqa: E402
+from cluster.data import SampleLedger  # noqa: E402
 
 
 def measure(n: int, rounds: int) -> dict:

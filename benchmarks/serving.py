@@ -41,7 +41,7 @@ BENCH = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import ad
          "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
          "add_cli_args(p); main(p.parse_args(sys.argv[1:]))"]
 
-from cluster.process import free_port  # noqa: E402
+from cluster.store import free_port  # noqa: E402
 
 
 class Server:

@@ -60,7 +60,7 @@ def run_variant(cfg, target, samples, variant: str, threads: int, steps: int) ->
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cluster.trainer import deepspeed_config, vocab_mapping_from
+    from cluster.training import deepspeed_config, vocab_mapping_from
     from dspark.config import DSparkConfig
     from dspark.losses import LossWeights
     from dspark.model import DSparkDrafter

@@ -123,8 +123,8 @@ def main() -> None:
     os.environ["MC_STORE_MEMCPY"] = args.memcpy
     import ray
 
-    from cluster.master import MooncakeMaster
-    from cluster.node_store import NodeStore
+    from cluster.store import MooncakeMaster
+    from cluster.store import NodeStore
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _temp_dir=f"/tmp/ray-bench-{os.getpid()}",

@@ -33,7 +33,7 @@ class OptimConfig:
 class WarmupCosine:
     """The LR multiplier at a step: linear warmup to 1, then cosine down to `min_lr_ratio` at
     `total_steps`. An object rather than a lambda so that the horizon can move while training
-    (a job that learns its length as it runs: `cluster.budget`); LambdaLR saves its fields with
+    (a job that learns its length as it runs: `cluster.training.budget`); LambdaLR saves its fields with
     the scheduler's state."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:

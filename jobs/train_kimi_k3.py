@@ -27,8 +27,8 @@ SIMULATED_NODES_TIMEOUT_S = 180
 def plan(cfg, simulate: str | None) -> int:
     import ray
 
-    from cluster.capacity import plan as capacity_plan
-    from cluster.placement import PlacementError, describe, place_all, release
+    from cluster.scaling import capacity_plan
+    from cluster.scaling import PlacementError, describe, place_all, release
 
     cluster = None
     if simulate:

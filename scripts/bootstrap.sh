@@ -42,7 +42,7 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import torch, transformers, vllm, mooncake, ray, deepspeed, speculators" 2>/dev/null \
     || { echo "[bootstrap] import check failed" >&2; exit 1; }
 # DeepSpeed's shared-memory allreduce op (the gloo trainer's), built now with the venv's ninja as
-# the trainer builds it (cluster/trainer.py), into the cache the jobs and tests use: not inside the
+# the trainer builds it (cluster/training/trainer_rank.py), into the cache the jobs and tests use: not inside the
 # first job's start-up.
 PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${DSPARK_CACHE:-$ROOT/.cache}/torch_extensions} \
     "$VENV/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \

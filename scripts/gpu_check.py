@@ -10,14 +10,14 @@ Coverage (`--list` prints it, with what this machine would run, without importin
                     reference decoder's on the same prompts (both fp32)
   served_recipe     the recipe users serve (dspark.recipe = serve.sh: dspark, every block   1
                     slot drafted, probabilistic drafting, block rejection) through the
-                    job's served evaluation (cluster/served_eval.py): greedy outputs
+                    job's served evaluation (cluster/inference/served_eval.py): greedy outputs
                     identical, token for token, to a target-only engine (fp32), τ > 1;
                     then sampled at T = 0.8 — the Markov head's probabilistic drafting
                     (over the reduced draft vocabulary through d2t, for a drafter that
                     has one) and block verification actually executing — the first 3
                     tokens of 3000 samples from each engine drawn from one distribution
                     (two-sample chi-square, p >= 1e-3), τ > 1
-  connector_cuda    the hidden-state capture's CUDA path (cluster.capture_model under CUDA  1
+  connector_cuda    the hidden-state capture's CUDA path (cluster.inference.capture_model under CUDA  1
                     graphs + our connector, file backend) against transformers on the
                     GPU: cosine >= 0.999 per aux layer, as the CPU test asks
   connector_fp8_kv  the same with an fp8 KV cache (configs/kimi_k3.yaml's): the states      1
@@ -129,14 +129,14 @@ def two_sample_chi_square(a: dict, b: dict, min_count: int = 10) -> tuple[float,
 
 def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 3000, temperature: float = 0.8,
                         compare_tokens: int = 3) -> tuple[bool, str]:
-    """The recipe serve.sh serves, through cluster/served_eval.py (greedy, lossless against a
+    """The recipe serve.sh serves, through cluster/inference/served_eval.py (greedy, lossless against a
     target-only engine), then sampled: the first `compare_tokens` tokens of `samples` requests
     of one prompt from the speculative engine and from the target alone come from one
     distribution. fp32, so that greedy equality is not at the mercy of bf16 near-ties."""
     from vllm import LLM, SamplingParams
 
     from cluster.inference import InferenceSettings, engine_kwargs
-    from cluster.served_eval import ServedEvalSettings, ServedEvaluator, _close, decode_stats
+    from cluster.inference.served_eval import ServedEvalSettings, ServedEvaluator, _close, decode_stats
     from dspark.chat import render_prompt
     from dspark.recipe import speculative_config
 

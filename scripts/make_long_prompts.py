@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Document lengths in target tokens: the last stays below SmolLM2's 8192-token context with
 # room for the template and an answer of up to 512 tokens.
 LENGTHS = (1000, 2000, 4000, 7000)
-CODE = ["cluster/ledger.py", "cluster/job.py", "cluster/store.py", "dspark/model.py", "cluster/config.py",
-        "cluster/scaling.py", "dspark/config.py", "cluster/trainer.py"]
+CODE = ["cluster/data/ledger.py", "cluster/job/training_job.py", "cluster/store/client.py", "dspark/model.py", "cluster/config.py",
+        "cluster/scaling/policy.py", "dspark/config.py", "cluster/training/trainer_rank.py"]
 TASKS_CODE = [
     "Explain what this module does, then list its classes and public functions with one sentence each.",
     "What are the failure cases this code handles, and what does it do in each? Answer as a list.",

@@ -71,7 +71,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def mooncake_master(tmp_path_factory):
-    from cluster.master import MooncakeMaster
+    from cluster.store import MooncakeMaster
 
     m = MooncakeMaster(log_dir=str(tmp_path_factory.mktemp("mooncake")))
     yield m

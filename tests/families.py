@@ -12,8 +12,8 @@ learns it quickly. (A tied random model answers by repeating one token — the L
 embedding its residual stream carries — so only the families that tie in real life are tied.)
 
 `vllm_extracts`: whether vLLM 0.32's model class for the family implements the aux-hidden-state
-interface that hidden-state capture (`cluster.capture_model`) needs;
-`cluster.target.vllm_extraction_gap` asks vLLM the same question for a real target.
+interface that hidden-state capture (`cluster.inference.capture_model`) needs;
+`cluster.inference.target.vllm_extraction_gap` asks vLLM the same question for a real target.
 """
 
 from __future__ import annotations

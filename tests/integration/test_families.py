@@ -74,7 +74,7 @@ def check_family(name: str, ray, smol_target, tmp_path, monkeypatch) -> dict:
     from vllm.transformers_utils.config import maybe_override_with_speculators
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    from cluster.target import read_target, vllm_extraction_gap
+    from cluster.inference import read_target, vllm_extraction_gap
 
     family = FAMILIES[name]
     target = build_family_target(name, tmp_path / name, smol_target)

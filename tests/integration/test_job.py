@@ -116,7 +116,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     import ray
 
     from cluster.inference import InferenceSettings
-    from cluster.served_eval import ServedEvalSettings, ServedEvaluator
+    from cluster.inference import ServedEvalSettings, ServedEvaluator
     from dspark.checkpoint import export_dflash_backbone, load_drafter
 
     backbone = export_dflash_backbone(load_drafter(result["drafter"], smol_target), tmp_path / "dflash")

@@ -18,7 +18,7 @@ import torch
 
 from cluster.config import ROOT, ConfigError, load_config
 from cluster.inference import InferenceActor, InferenceSettings
-from cluster.target import read_target
+from cluster.inference import read_target
 from dspark import evaluate
 from dspark.chat import ChatFormat, render_prompt
 from dspark.checkpoint import save_drafter

@@ -73,8 +73,8 @@ def is_ray(what: str) -> bool:
 
 
 def test_local_listeners_are_loopback_or_authenticated(ray_cluster, tmp_path):
-    from cluster.master import MooncakeMaster
-    from cluster.node_store import NodeStore
+    from cluster.store import MooncakeMaster
+    from cluster.store import NodeStore
     from cluster.store import HiddenStateStore, StoreConfig
 
     ray = ray_cluster

@@ -32,11 +32,11 @@ import pytest
 import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
-from cluster.master import MooncakeMaster
-from cluster.placement import RoleSpec, place, release
+from cluster.store import MooncakeMaster
+from cluster.scaling import RoleSpec, place, release
 from cluster.store import HiddenStateStore, StoreConfig
-from cluster.trainer import TrainerRank, TrainerSettings, vocab_mapping_from
-from cluster.trainer_gang import TrainerGang
+from cluster.training import TrainerRank, TrainerSettings, vocab_mapping_from
+from cluster.training import TrainerGang
 from dspark.samples import Sample
 
 pytestmark = pytest.mark.integration

@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from cluster.ledger import SampleLedger
-from cluster.master import MooncakeMaster
-from cluster.node_store import NodeStore
-from cluster.replay import ReplayActor, ReplaySettings
+from cluster.data import SampleLedger
+from cluster.store import MooncakeMaster
+from cluster.store import NodeStore
+from cluster.data import ReplayActor, ReplaySettings
 from cluster.store import HiddenStateStore, StoreConfig, StoreError, StoreUnavailable
 from dspark.samples import Sample, write_sample
 
@@ -250,7 +250,7 @@ def test_exactly_once_after_failure(scenario, segment_host, ray_cluster, sample_
 
 
 def test_store_client_fails_fast_without_master():
-    from cluster.master import free_port
+    from cluster.store import free_port
 
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable, match="does not answer"):

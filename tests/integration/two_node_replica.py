@@ -29,9 +29,9 @@ def main() -> dict:
     from cluster.config import load_config
     from cluster.hardware import cpu_process_env
     from cluster.inference import InferenceActor, InferenceSettings
-    from cluster.master import MooncakeMaster
-    from cluster.placement import place, replica_spec
-    from cluster.replicas import start_engine_actors
+    from cluster.store import MooncakeMaster
+    from cluster.scaling import place, replica_spec
+    from cluster.inference import start_engine_actors
     from cluster.store import HiddenStateStore, SampleRef, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_random_llama
@@ -39,7 +39,7 @@ def main() -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     target = str(prepare_random_llama())
-    from cluster.process import free_port
+    from cluster.store import free_port
 
     # short socket paths (Ray's limit), in a folder of its own
     temp = f"/tmp/ray-two-node-{os.getpid()}"

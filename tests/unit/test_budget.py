@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.budget import EpochPlanner, Plan
-from cluster.ledger import LedgerError, SampleLedger, trained_outside
-from cluster.record import TrainingRecord
+from cluster.training import EpochPlanner, Plan
+from cluster.data import LedgerError, SampleLedger, trained_outside
+from cluster.data import TrainingRecord
 from dspark.training import OptimConfig, WarmupCosine, build_optimizer
 
 

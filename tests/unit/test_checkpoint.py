@@ -79,7 +79,7 @@ def test_trainer_checkpoints_load_weights_only(tmp_path):
 
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from cluster.trainer import load_checkpoints_without_code
+    from cluster.training import load_checkpoints_without_code
 
     class RunsCode:
         def __reduce__(self):

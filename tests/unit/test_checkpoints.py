@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.checkpoints import CheckpointDir
+from cluster.training import CheckpointDir
 
 
 def write(root, step: int, damage: str | None = None):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.placement import PlacementError, check_topology, role_specs, sort_bundles_by_node, trainer_specs
+from cluster.scaling import PlacementError, check_topology, role_specs, sort_bundles_by_node, trainer_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_shipped_configs_load():
 def test_kimi_k3_config_is_what_it_claims():
     """Aux layers spread over the target's depth, a drafter whose recipe drafts probabilistically
     (the full vocabulary), an autoscaler with room to act, a public verifier id, remote code on."""
-    from cluster.capacity import drafter_size, target_config
+    from cluster.scaling import drafter_size, target_config
     from cluster.config import check_against_target
     from dspark.config import default_aux_layer_ids
     from dspark.recipe import speculative_config
@@ -132,7 +132,7 @@ def test_bundles_sorted_by_node():
 
 
 def test_cluster_request_lists_the_whole_job():
-    from cluster.placement import cluster_request
+    from cluster.scaling import cluster_request
 
     k3 = load_config(ROOT / "configs" / "kimi_k3.yaml")
     now = [(1, 4)] * 4  # 4 groups x (one TP-8 replica over two 4-GPU nodes, one 4-GPU trainer node)
@@ -150,7 +150,7 @@ def test_resource_request_for_a_trainer_wait_asks_trainer_bundles(monkeypatch):
 
     import ray.autoscaler.sdk as sdk
 
-    from cluster.autoscaler import AutoscaleLoop
+    from cluster.scaling import AutoscaleLoop
 
     asked = []
     monkeypatch.setattr(sdk, "request_resources", lambda bundles: asked.append(bundles))
@@ -165,7 +165,7 @@ def test_resource_request_for_a_trainer_wait_asks_trainer_bundles(monkeypatch):
 
 
 def test_gpu_packing_is_exact_where_best_fit_is_not():
-    from cluster.placement import _fits
+    from cluster.scaling.placement import _fits
 
     # Best-fit decreasing puts 4+3 on the first node and is left with 3,2,2,2 for the second: it
     # would say no. 4+2+2 and 3+3+2 fit.

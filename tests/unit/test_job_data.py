@@ -82,7 +82,7 @@ def saved_checkpoint(root: Path, ledger_state: dict) -> None:
 
 def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
     from cluster.job import TrainingJob
-    from cluster.ledger import SampleLedger
+    from cluster.data import SampleLedger
 
     def job(*overrides, run="r"):
         cfg = load_config(ROOT / "configs" / "local.yaml",

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from cluster.ledger import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance
-from cluster.record import ExactlyOnceViolation, TrainingRecord
+from cluster.data import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance
+from cluster.data import ExactlyOnceViolation, TrainingRecord
 
 
 def prompts(n):

@@ -47,7 +47,7 @@ def test_misuse_is_an_error():
 
 
 def test_eta_is_the_slower_of_generation_and_training():
-    from cluster.progress import TrainingStats, eta
+    from cluster.job import TrainingStats, eta
 
     # 10 steps took 20 s of training and trained 40 samples: 4 per step, 2 s per step.
     g = TrainingStats(step=10, train_s=20.0)

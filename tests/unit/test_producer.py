@@ -1,9 +1,9 @@
-"""The producers' pull loop (cluster/producer.py), without Ray: a stop that arrives before the
+"""The producers' pull loop (cluster/inference/producer.py), without Ray: a stop that arrives before the
 loop starts ends it (a replica replaced just as the job ends gets both calls queued)."""
 
 from __future__ import annotations
 
-from cluster.producer import Producer
+from cluster.inference import Producer
 
 
 class NoLedger:

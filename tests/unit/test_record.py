@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.record import ExactlyOnceViolation, TrainingRecord
+from cluster.data import ExactlyOnceViolation, TrainingRecord
 
 
 def outcome(trained, failed=(), unfinished=()):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.inference import InferenceSettings
-from cluster.served_eval import ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
+from cluster.inference import ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
 
 PROMPTS = [{"id": f"p{i}", "category": "math" if i % 2 else "coding", "messages": [{"role": "user", "content": str(i)}]}
            for i in range(3)]

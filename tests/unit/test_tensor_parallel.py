@@ -100,7 +100,7 @@ class StartFailure(Exception):
 
 
 def test_a_start_up_error_that_repeats_ends_the_group_at_once():
-    from cluster.replicas import Replica, ReplicaFailure, ReplicaPool
+    from cluster.inference import Replica, ReplicaFailure, ReplicaPool
 
     ledger = SimpleNamespace(replica_died=SimpleNamespace(remote=lambda rid, cause=None: 0),
                              hung_replicas=SimpleNamespace(remote=lambda timeout: {}))

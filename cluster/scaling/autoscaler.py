@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 from cluster.config import AutoscalerConfig, group_watermarks
 from cluster.metrics import Metrics
-from cluster.scaling import Decision, GroupState, ScalingPolicy
+from cluster.scaling.policy import Decision, GroupState, ScalingPolicy
 
 log = logging.getLogger("dspark.autoscaler")
 ACTIONS = {"none": 0, "measuring": 0, "add_replica": 1, "remove_replica": -1, "resize_trainer": 2, "wait_resources": 3}
@@ -110,7 +110,7 @@ class AutoscaleLoop:
 
     def round(self) -> None:
         from cluster.control import ResizeTrainer
-        from cluster.placement import PlacementError
+        from cluster.scaling.placement import PlacementError
 
         if self.stats.resize_seq_handled < self.resize_seq:
             return  # a world resize is under way: every rate the actor would see is stale
@@ -148,7 +148,7 @@ class AutoscaleLoop:
         `trainer_ranks` trainer ranks; the other groups as they are."""
         from ray.autoscaler.sdk import request_resources
 
-        from cluster.placement import cluster_request
+        from cluster.scaling.placement import cluster_request
 
         shapes = {g.name: (len(self.pools[g.name]), self.stats.layout.get(g.name, 0)) for g in self.cfg.topology.groups}
         r, d = shapes[group]

@@ -22,8 +22,8 @@ import time
 
 from cluster.config import TransportConfig
 from cluster.errors import cause_of
-from cluster.process import free_port
-from cluster.store import StoreConfig
+from cluster.store.process import free_port
+from cluster.store.client import StoreConfig
 
 log = logging.getLogger("dspark.services")
 CHECK_INTERVAL_S = 2.0  # how often `check` asks the actors whether they are alive
@@ -61,7 +61,7 @@ class StoreServices:
         address."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from cluster.master import MooncakeMaster
+        from cluster.store.master import MooncakeMaster
 
         t = self.t
         actor = self.ray.remote(num_cpus=0)(MooncakeMaster).options(
@@ -76,7 +76,7 @@ class StoreServices:
     def _start_daemon(self, node: str, port: int, timeout_s: float) -> tuple[object, str]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from cluster.node_store import NodeStore
+        from cluster.store.node_store import NodeStore
 
         t = self.t
         actor = self.ray.remote(num_cpus=0)(NodeStore).options(

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.producer import Producer
+from cluster.inference import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry
 
 

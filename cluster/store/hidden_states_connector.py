@@ -1,8 +1,8 @@
 """`MooncakeHiddenStatesConnector`: a vLLM KV connector that writes each finished request's
 hidden states, token ids and loss mask straight into the Mooncake store (no disk).
 
-Loaded by vLLM through `kv_connector_module_path="cluster.hidden_states_connector"` together
-with the capturing target (`cluster.capture_model`), which caches the chosen layers' states per
+Loaded by vLLM through `kv_connector_module_path="cluster.store.hidden_states_connector"` together
+with the capturing target (`cluster.inference.capture_model`), which caches the chosen layers' states per
 token in a KV-cache-shaped buffer as it decodes. When a request finishes, the scheduler side of this
 connector plans a save (key, token ids, loss mask) and the worker side copies the request's
 rows out of that buffer and puts them into the store:
@@ -34,8 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.logger import init_logger
 
-from cluster.capture_model import LAYER_IDS_KEY
-from cluster.store import HiddenStateStore, put_with_retry
+from cluster.inference import LAYER_IDS_KEY
+from cluster.store.client import HiddenStateStore, put_with_retry
 from dspark.samples import Sample, write_sample
 
 logger = init_logger(__name__)
@@ -76,7 +76,7 @@ class _Done:
 class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         # Not the parent's __init__: it asserts a speculative config (its states come from the
-        # extract_hidden_states "drafter"; ours from the target itself, cluster.capture_model).
+        # extract_hidden_states "drafter"; ours from the target itself, cluster.inference.capture_model).
         # The state below is what the inherited methods (group lookup, register_kv_caches,
         # the GPU copy stream) read.
         KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -103,7 +103,7 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
         if not self.layer_ids:
             raise ValueError(f"{type(self).__name__} needs the capturing target (hf_overrides "
-                             f"{LAYER_IDS_KEY!r}, cluster.capture_model.capture_engine_kwargs)")
+                             f"{LAYER_IDS_KEY!r}, cluster.inference.capture_model.capture_engine_kwargs)")
         self._planned: dict[str, PlannedSave] = {}
         self._keys: dict[str, str] = {}
         self._store: HiddenStateStore | None = None

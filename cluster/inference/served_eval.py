@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.inference import InferenceSettings, engine_kwargs
+from cluster.inference.replica import InferenceSettings, engine_kwargs
 from dspark.decoder import DecodeStats
 from dspark.recipe import speculative_config
 from dspark.tau_report import RequestResult, summarize

@@ -3,7 +3,7 @@
 Per prompt it (a) regenerates the assistant answer with the frozen target (on-policy: the
 drafter learns the distribution it will be verified against), and (b) exports the aux-layer
 and final pre-norm hidden states of the whole conversation: the target, loaded as its
-capturing class (`cluster.capture_model`), caches them while it decodes (a plain engine, no
+capturing class (`cluster.inference.capture_model`), caches them while it decodes (a plain engine, no
 speculative step), and our `MooncakeHiddenStatesConnector` puts them into the
 Mooncake store. What comes back through Ray is one `SampleRef` (key and shapes) per prompt.
 
@@ -32,15 +32,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from cluster.capture_model import capture_engine_kwargs
+from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.errors import last_exception_line
-from cluster.producer import Producer
+from cluster.inference.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
 CONNECTOR = "MooncakeHiddenStatesConnector"
 SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
-CONNECTOR_MODULE = "cluster.hidden_states_connector"
+CONNECTOR_MODULE = "cluster.store.hidden_states_connector"
 
 
 @dataclass
@@ -158,7 +158,7 @@ def engine_kwargs(s: InferenceSettings) -> dict:
     if s.device == "cuda":
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization)
     if s.extract:
-        # the target's class with a hidden-state cache (cluster.capture_model): a plain engine
+        # the target's class with a hidden-state cache (cluster.inference.capture_model): a plain engine
         in_process = executor_backend(s.device, s.tensor_parallel_size) is None and s.device == "cpu"
         kwargs.update(capture_engine_kwargs(s.target_path, s.trust_remote_code, s.layer_ids, in_process=in_process))
         kwargs["kv_transfer_config"] = {

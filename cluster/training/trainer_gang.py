@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.errors import cause_of
-from cluster.placement import Placed
-from cluster.trainer import TrainerRank, TrainerSettings
+from cluster.scaling import Placed
+from cluster.training.trainer_rank import TrainerRank, TrainerSettings
 
 log = logging.getLogger("dspark.trainer")
 

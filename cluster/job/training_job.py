@@ -25,16 +25,16 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cluster.budget import EpochPlanner
-from cluster.checkpoints import CheckpointDir
+from cluster.training import EpochPlanner
+from cluster.training import CheckpointDir
 from cluster.config import ROOT, JobConfig, group_watermarks, to_yaml
 from cluster.control import ControlChannel, ResizeTrainer
 from cluster.hardware import cpu_process_env, read_cpu
-from cluster.ledger import SampleLedger
+from cluster.data import SampleLedger
 from cluster.metrics import Metrics
-from cluster.progress import ProgressReporter, TrainingStats
-from cluster.record import TrainingRecord
-from cluster.trainer_gang import TrainerFailure
+from cluster.job.progress import ProgressReporter, TrainingStats
+from cluster.data import TrainingRecord
+from cluster.training import TrainerFailure
 from dspark.recipe import write_recipe
 from dspark.tau_report import UNCATEGORIZED
 
@@ -134,14 +134,14 @@ class TrainingJob:
         self.trainer_generation = 0  # bumped per trainer placement after a resize: new placement group names
         self.trainer_restarts = 0
         self.nonfinite_streak = 0
-        self.horizon_epochs: int | None = None  # the epochs the LR horizon was last measured for (cluster.budget)
+        self.horizon_epochs: int | None = None  # the epochs the LR horizon was last measured for (cluster.training.budget)
         self.trained_until_s: float | None = None  # when training ended, from the job's start
         self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
         self.wandb = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def prepare(self) -> None:
-        from cluster.target import read_target
+        from cluster.inference import read_target
         from dspark.config import default_aux_layer_ids
 
         self.target = read_target(self.cfg)
@@ -178,10 +178,10 @@ class TrainingJob:
 
     def start(self) -> None:
         """Placement, the store services, the ledger, every group's producers, the trainer world."""
-        from cluster.placement import describe, place_all, replica_spec
-        from cluster.replicas import ReplicaPool
-        from cluster.services import StoreServices
-        from cluster.trainer_gang import TrainerGang
+        from cluster.scaling import describe, place_all, replica_spec
+        from cluster.inference import ReplicaPool
+        from cluster.store import StoreServices
+        from cluster.training import TrainerGang
 
         cfg = self.cfg
         self.placed = place_all(cfg)
@@ -213,15 +213,15 @@ class TrainingJob:
         threading.Thread(target=self.reporter.loop, args=(self.stop_event, cfg.logging.progress_interval_s),
                          daemon=True, name="progress").start()
         if cfg.autoscaler.enabled:
-            from cluster.autoscaler import AutoscaleLoop
+            from cluster.scaling import AutoscaleLoop
 
             self.autoscaler = AutoscaleLoop(cfg, self.pools, self.ledger, self.stats, self.control)
             threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
 
     def producer_spec(self, group_index: int):
         from cluster.inference import InferenceActor
-        from cluster.replay import ReplayActor, ReplaySettings
-        from cluster.replicas import ProducerSpec
+        from cluster.data import ReplayActor, ReplaySettings
+        from cluster.inference import ProducerSpec
         from cluster.store import StoreConfig
 
         c, g = self.cfg, self.cfg.topology.groups[group_index]
@@ -260,7 +260,7 @@ class TrainingJob:
             max_tokens=c.sampling.max_tokens, trust_remote_code=t.trust_remote_code, chat=self.target.chat)
 
     def trainer_settings(self):
-        from cluster.trainer import TrainerSettings
+        from cluster.training import TrainerSettings
 
         return TrainerSettings(target_path=self.target_path, trust_remote_code=self.cfg.target.trust_remote_code,
                                chat=self.target.chat, drafter=self.cfg.drafter, trainer=self.cfg.trainer,
@@ -332,7 +332,7 @@ class TrainingJob:
         return "stepped"
 
     def follow_plan(self, samples: int, generating: bool) -> None:
-        """Once the pace is measured (`cluster.budget`): end the LR schedule where the epochs
+        """Once the pace is measured (`cluster.training.budget`): end the LR schedule where the epochs
         that fit in `trainer.time_budget_s` end, and drop the others when they would begin.
         Without a budget the horizon is measured once."""
         planner = self.planner
@@ -377,7 +377,7 @@ class TrainingJob:
         The ledger gives back what was leased after it (re-read, or regenerated if released),
         the training record drops the rows it did not commit. A restart that fails itself counts
         as the next one."""
-        from cluster.placement import place_all, release, trainer_specs
+        from cluster.scaling import place_all, release, trainer_specs
 
         layout = self.gang.layout()
         while True:
@@ -471,7 +471,7 @@ class TrainingJob:
         adds samples (more epochs, another prompt file) resumes. `trainer.resume=always` with no
         whole checkpoint is refused here too."""
         from cluster.config import ConfigError
-        from cluster.ledger import trained_outside
+        from cluster.data import trained_outside
 
         t = self.cfg.trainer
         ckpt = self.resume_candidate = self.checkpoints.latest() if t.resume != "never" else None
@@ -567,7 +567,7 @@ class TrainingJob:
         """A new world with `request`'s ranks per group, at a checkpoint boundary: commit, stop
         the ranks, place and start the new ones, reload. If the new layout cannot be placed, the
         old one is placed again (its resources were just freed)."""
-        from cluster.placement import PlacementError, place, release, trainer_specs
+        from cluster.scaling import PlacementError, place, release, trainer_specs
 
         old = self.gang.layout()
         want = {**old, **request.ranks}
@@ -630,7 +630,7 @@ class TrainingJob:
             "run_dir": str(self.run_dir), "drafter": str(final), "steps": self.stats.step, "ended_by": self.ended_by,
             "trained_fraction": proof["trained"] / max(counts["total"], 1),
             "exactly_once": proof, "world": self.gang.layout(), "calibration": calibration, "events": self.events,
-            # the plan the time budget kept (cluster.budget); what each epoch trained is in exactly_once
+            # the plan the time budget kept (cluster.training.budget); what each epoch trained is in exactly_once
             "epochs": {"planned": self.cfg.data.epochs, "kept": counts["epochs"]}, "lr_horizon": self.total_steps,
             "trained_until_s": self.trained_until_s,
             "groups": {name: {"replicas": self.final_replicas[name], "generated": proof["generated_by_group"].get(name, 0),
@@ -716,8 +716,8 @@ class TrainingJob:
     def evaluate_served(self, drafter: str, prompts_file: Path) -> dict:
         """vLLM with the drafter, in the first inference placement group (its replica has stopped).
         On CPU vLLM runs only the backbone (`dflash`), exported beside the drafter."""
-        from cluster.replicas import engine_actor_options
-        from cluster.served_eval import ServedEvalSettings, ServedEvaluator
+        from cluster.inference import engine_actor_options
+        from cluster.inference import ServedEvalSettings, ServedEvaluator
         from dspark.prompts import read_conversations
         from dspark.tau_report import stratified
 
@@ -743,7 +743,7 @@ class TrainingJob:
             self.ray.kill(actor)
 
     def shutdown(self) -> None:
-        from cluster.placement import release
+        from cluster.scaling import release
 
         self.stop_event.set()
         for pool in self.pools.values():

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from cluster.errors import cause_of
-from cluster.placement import Placed, RoleSpec, place
-from cluster.services import StoreServices
+from cluster.scaling import Placed, RoleSpec, place
+from cluster.store import StoreServices
 
 log = logging.getLogger("dspark.replicas")
 
@@ -82,7 +82,7 @@ def leader_port(placed: Placed, timeout_s: float = 60.0) -> tuple[str, int]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from cluster.process import free_port
+    from cluster.store import free_port
 
     @ray.remote(num_cpus=0)
     def probe() -> int:
@@ -101,7 +101,7 @@ def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict |
     Returns (the engine actor, the headless workers)."""
     import ray
 
-    from cluster.inference import EngineSpan, HeadlessEngineWorker
+    from cluster.inference.replica import EngineSpan, HeadlessEngineWorker
 
     tp = getattr(settings, "tensor_parallel_size", 1)
     helpers = []

@@ -35,7 +35,7 @@ rank of the one data-parallel world leases from it.
   through `release_lease`), `trainer_restarted` (leased after the last commit → stored,
   re-leased as is).
 - Plan: `shorten(n)` drops the epochs from n on, before any of them has begun, as if never
-  planned (a time budget that will not fit them: `cluster.budget`).
+  planned (a time budget that will not fit them: `cluster.training.budget`).
 - Backpressure, per group (a group's samples fill its own nodes' store memory): its producers
   are told to pause once its stored-but-untrained bytes pass its high watermark and resume
   under its low one.
@@ -539,7 +539,7 @@ class SampleLedger:
         return begun[-1] + 1 if begun else 0
 
     def shorten(self, epochs: int) -> list[str]:
-        """Plan `epochs` epochs instead (a time budget, `cluster.budget`): the later ones leave
+        """Plan `epochs` epochs instead (a time budget, `cluster.training.budget`): the later ones leave
         the ledger, as if never planned. Only epochs that have not begun can go. Returns the
         keys of their stored samples that no remaining entry holds, for the store to drop."""
         if not 1 <= epochs <= self.epochs or epochs < self.first_open_epoch():
@@ -606,7 +606,7 @@ class SampleLedger:
         return not (self._members[PENDING] or self._members[GENERATING] or self._members[STORED])
 
     def outcome(self) -> dict:
-        """Uids by final state, for the exactly-once proof (`cluster.record`)."""
+        """Uids by final state, for the exactly-once proof (`cluster.data.record`)."""
         return {"trained": list(self._members[TRAINED]), "failed": {u: self.entries[u].errors for u in self._members[FAILED]},
                 "unfinished": [u for u in self.order if self.entries[u].state not in (TRAINED, FAILED)]}
 

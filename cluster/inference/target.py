@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig, check_against_target
 from dspark.chat import ChatFormat
 
-log = logging.getLogger("cluster.target")
+log = logging.getLogger("cluster.inference.target")
 
 PROBE_CONVERSATION = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
                       {"role": "user", "content": "How are you?"}]
@@ -81,10 +81,10 @@ def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:
 
 def vllm_extraction_gap(architectures: list[str]) -> str | None:
     """Why vLLM cannot export aux hidden states for this architecture (its model class lacks the
-    EAGLE-3 aux-hidden-state interface `cluster.capture_model` needs), or None when it can or
+    EAGLE-3 aux-hidden-state interface `cluster.inference.capture_model` needs), or None when it can or
     when vLLM does not know the class here (a remote-code target: the replica will say)."""
     try:
-        from cluster.capture_model import capture_gap, vllm_class
+        from cluster.inference.capture_model import capture_gap, vllm_class
     except ImportError:
         return None
     for arch in architectures:

@@ -13,7 +13,7 @@ object, but cannot make the trainer train on a changed one.
 
 Two ways to join the store (`StoreConfig`):
 - attached to the node's store daemon (`node_client`, the default in jobs; see
-  `cluster.node_store`): puts and reads are copies through shared memory with that daemon, and
+  `cluster.store.node_store`): puts and reads are copies through shared memory with that daemon, and
   only samples held on another node cross the network;
 - a full client (no `node_client`): every byte goes over the transport (TCP or RDMA) to
   whichever process lends the memory.
@@ -28,24 +28,20 @@ treat as backpressure, never as a drop).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import hmac
 import os
 import socket
-import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from cluster.store.wire import SampleRef, aligned, sample_from_buffer, sample_parts
 from dspark.samples import CorruptSampleError, Sample
 
 # Reported to avoid a crash in the local memcpy fast path on TCP-only hosts.
 os.environ.setdefault("MC_STORE_MEMCPY", "0")
 
-ALIGN = 64
 ERROR_NAMES = {
     -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE (segment full)", -300: "INVALID_VERSION", -400: "INVALID_KEY",
     -500: "WRITE_FAIL", -600: "INVALID_PARAMS (value larger than the client's local buffer?)", -601: "ILLEGAL_CLIENT",
@@ -56,7 +52,6 @@ ERROR_NAMES = {
 RPC_FAILURES = {-900, -901}
 # Worth a retry: no room yet, or a transfer to a segment whose owner just went away.
 TRANSIENT = {-200, -800, -900, -901}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class StoreError(RuntimeError):
@@ -100,114 +95,6 @@ def raise_for(op: str, code: int, key: str | None = None) -> None:
         return
     cls = {-200: StoreFull, -704: SampleMissing}.get(code, StoreError)
     raise cls(op, code, key)
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-HEADER = 64
-_HEADER = struct.Struct("<4sBBHIHI16s")  # magic, version, dtype, -, tokens, layers, hidden, MAC
-MAGIC, VERSION = b"DSPK", 1
-DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
-PIECE = 16 << 20  # MAC'd in pieces of this size, in threads for big samples
-_hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample-mac")
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """Everything a consumer needs to read a sample back, small enough to travel through Ray."""
-
-    key: str
-    num_tokens: int
-    layer_ids: tuple[int, ...]
-    hidden_size: int
-    dtype: str = "bfloat16"
-
-    @property
-    def sections(self) -> tuple[int, int, int]:
-        """Byte sizes of hidden states, token ids (int32), loss mask (uint8)."""
-        t = self.num_tokens
-        item = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return t * len(self.layer_ids) * self.hidden_size * item, 4 * t, t
-
-    @property
-    def nbytes(self) -> int:
-        h, i, m = self.sections
-        return HEADER + _aligned(h) + _aligned(i) + m
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SampleRef":
-        """From `to_dict()` output, ignoring extra fields (e.g. a file backend's path)."""
-        return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
-
-    @classmethod
-    def for_sample(cls, key: str, sample: Sample) -> "SampleRef":
-        dtype = next(k for k, v in DTYPES.items() if v == sample.hidden_states.dtype)
-        return cls(key, sample.num_tokens, tuple(sample.layer_ids), int(sample.hidden_states.shape[-1]), dtype)
-
-    def header_fields(self) -> bytes:
-        """The header up to the MAC: what the MAC also covers."""
-        return _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], 0, self.num_tokens, len(self.layer_ids),
-                            self.hidden_size, b"")[:-16]
-
-
-def sample_mac(key: bytes, fields: bytes, sections: list) -> bytes:
-    """Keyed BLAKE2b (16 bytes) of the header fields and the sections (byte views), a digest per
-    piece of PIECE bytes (computed in threads: hashlib releases the GIL) then one over them all."""
-    pieces = [memoryview(v).cast("B")[i:i + PIECE] for v in sections for i in range(0, max(memoryview(v).nbytes, 1), PIECE)]
-
-    def digest(b) -> bytes:
-        return hashlib.blake2b(b, key=key, digest_size=16).digest()
-
-    digests = list(_hashers.map(digest, pieces)) if len(pieces) > 2 else [digest(p) for p in pieces]
-    return hashlib.blake2b(fields + b"".join(digests), key=key, digest_size=16).digest()
-
-
-def sample_parts(sample: Sample, key: bytes = b"") -> list:
-    """The object's byte sections (numpy views, no copy of the hidden states): the header, then
-    each section padded to ALIGN."""
-    h = sample.hidden_states.contiguous().view(torch.uint8).reshape(-1)
-    ids = sample.token_ids.to(torch.int32).contiguous().view(torch.uint8)
-    mask = sample.loss_mask.to(torch.uint8).contiguous()
-    sections = [t.numpy() for t in (h, ids, mask)]
-    fields = SampleRef.for_sample("", sample).header_fields()
-    header = (fields + sample_mac(key, fields, sections)).ljust(HEADER, b"\0")
-    parts = [header]
-    for arr, last in zip(sections, (False, False, True)):
-        parts.append(arr)
-        pad = _aligned(arr.nbytes) - arr.nbytes
-        if pad and not last:
-            parts.append(bytes(pad))
-    return parts
-
-
-def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, key: bytes = b"") -> Sample:
-    """From `buf` (uint8, at least `ref.nbytes`), after checking its header against `ref` (format,
-    dtype, shapes) and its MAC under `key`; CorruptSampleError names the key and what differs.
-    Without `copy` the hidden states view `buf`: copy them before reusing it."""
-    magic, version, dtype, _, tokens, layers, hidden, mac = _HEADER.unpack(buf[:_HEADER.size].numpy().tobytes())
-    if magic != MAGIC or version != VERSION:
-        raise CorruptSampleError(f"{ref.key}: not a sample of this format (header {magic!r} v{version})")
-    found = (next((n for n, c in DTYPE_CODES.items() if c == dtype), f"code {dtype}"), tokens, layers, hidden)
-    expected = (ref.dtype, ref.num_tokens, len(ref.layer_ids), ref.hidden_size)
-    if found != expected:
-        raise CorruptSampleError(f"{ref.key}: stored as (dtype, tokens, layers, hidden) {found}, read as {expected}")
-    h_n, i_n, m_n = ref.sections
-    o_ids = HEADER + _aligned(h_n)
-    o_mask = o_ids + _aligned(i_n)
-    sections = [buf[HEADER:HEADER + h_n].numpy(), buf[o_ids:o_ids + i_n].numpy(), buf[o_mask:o_mask + m_n].numpy()]
-    if not hmac.compare_digest(mac, sample_mac(key, ref.header_fields(), sections)):
-        raise CorruptSampleError(f"{ref.key}: its bytes do not match their MAC (changed in the store, or written "
-                                 "under another job's key)")
-    t = ref.num_tokens
-    hidden_states = buf[HEADER:HEADER + h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
-    ids = buf[o_ids:o_ids + i_n].view(torch.int32).long()
-    mask = buf[o_mask:o_mask + m_n].bool()
-    return Sample(ids, mask, hidden_states.clone() if copy else hidden_states, list(ref.layer_ids))
 
 
 def probe(address: str, timeout: float = 2.0) -> bool:
@@ -471,7 +358,7 @@ class HiddenStateStore:
         offsets, total = [], 0
         for r in refs:
             offsets.append(total)
-            total += _aligned(r.nbytes)
+            total += aligned(r.nbytes)
         keys, sizes = [r.key for r in refs], [r.nbytes for r in refs]
 
         def read(client):

@@ -18,7 +18,7 @@ daemon re-registers its memory by itself (Mooncake's client remounts when the ma
 
 from __future__ import annotations
 
-from cluster.process import SupervisedProcess, mooncake_binary
+from cluster.store.process import SupervisedProcess, mooncake_binary
 
 
 class NodeStore(SupervisedProcess):

@@ -9,7 +9,7 @@ samples are gone and must be regenerated.
 
 from __future__ import annotations
 
-from cluster.process import SupervisedProcess, free_port, mooncake_binary
+from cluster.store.process import SupervisedProcess, free_port, mooncake_binary
 
 __all__ = ["MooncakeMaster", "free_port"]
 
@@ -18,7 +18,7 @@ class MooncakeMaster(SupervisedProcess):
     """With `segment_bytes` (`transport.segment_host: master`) this actor also lends the store's
     memory from its own process: samples then outlive the death of any producer or trainer rank
     and are lost only with the master, whose restart loses every key anyway. The default keeps
-    the memory in per-node daemons instead (`cluster.node_store`)."""
+    the memory in per-node daemons instead (`cluster.store.node_store`)."""
 
     name = "mooncake_master"
 
@@ -47,7 +47,7 @@ class MooncakeMaster(SupervisedProcess):
     def after_start(self) -> None:
         if not self.segment_bytes:
             return
-        from cluster.store import HiddenStateStore, StoreConfig
+        from cluster.store.client import HiddenStateStore, StoreConfig
 
         if self._holder is not None:
             self._holder.close()

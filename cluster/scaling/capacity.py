@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import JobConfig, check_against_target, group_watermarks
-from cluster.placement import node_chunks, role_specs
+from cluster.scaling.placement import node_chunks, role_specs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 GB, GIB = 1e9, 2**30
@@ -52,7 +52,7 @@ def target_config(cfg: JobConfig):
     from transformers import PretrainedConfig
 
     from cluster.config import LOCAL_TARGET, RANDOM_TARGET
-    from cluster.target import read_config, resolve_target
+    from cluster.inference import read_config, resolve_target
 
     if cfg.target.path in (LOCAL_TARGET, RANDOM_TARGET) or (Path(cfg.target.path) / "config.json").exists():
         tc = read_config(resolve_target(cfg), cfg.target.trust_remote_code)

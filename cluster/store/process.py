@@ -1,8 +1,8 @@
 """`SupervisedProcess`: a Mooncake binary run as a child of a Ray actor — started, probed until
 it answers on its port, restarted when it dies, stopped with its owner.
 
-The job runs two kinds: the master (`cluster.master`) and, per node, the store daemon that lends
-the node's memory (`cluster.node_store`). Both lose their state when they die, so `generation`
+The job runs two kinds: the master (`cluster.store.master`) and, per node, the store daemon that lends
+the node's memory (`cluster.store.node_store`). Both lose their state when they die, so `generation`
 counts starts: users compare it to tell that the keys they knew of are gone.
 """
 
@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.store import probe
+from cluster.store.client import probe
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,19 @@
+"""The store room: where the samples' bytes live and how they move.
+
+Owns the wire format of a sample (header, MAC: `wire`), the Mooncake client (`client`), the
+supervised daemons (`process`, `master`, `node_store`) and the job's store services
+(`services`). vLLM loads the hidden-states connector by module path
+(`cluster.store.hidden_states_connector`); it is not imported here (it imports vLLM).
+"""
+
+from cluster.store.client import (HiddenStateStore, SampleMissing, StoreConfig, StoreError, StoreFull,
+                                  StoreUnavailable, probe, put_with_retry)
+from cluster.store.master import MooncakeMaster
+from cluster.store.node_store import NodeStore
+from cluster.store.process import SupervisedProcess, free_port, mooncake_binary
+from cluster.store.services import StoreServices
+from cluster.store.wire import SampleRef, sample_from_buffer, sample_parts
+
+__all__ = ["HiddenStateStore", "MooncakeMaster", "NodeStore", "SampleMissing", "SampleRef", "StoreConfig", "StoreError",
+           "StoreFull", "StoreServices", "StoreUnavailable", "SupervisedProcess", "free_port", "mooncake_binary", "probe",
+           "put_with_retry", "sample_from_buffer", "sample_parts"]
