@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 def prompts(n: int) -> list[dict]:
     from cluster.config import load_config
-    from cluster.job import load_prompts
+    from cluster.data import load_prompts
 
     train, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml"))
     return [{"id": c.id, "messages": c.prompt_messages} for c in train[:n]]

@@ -32,7 +32,7 @@ def build(args):
 
     from cluster.config import load_config
     from cluster.hardware import read_cpu
-    from cluster.job import load_prompts
+    from cluster.data import load_prompts
     from dspark.config import DSparkConfig
     from dspark.hf_dataset import build_samples
     from dspark.prompts import Conversation

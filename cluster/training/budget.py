@@ -21,7 +21,7 @@ so the record proves every prompt × epoch of the shortened plan trained exactly
 once every epoch before them has begun: until then a faster pace may still fit them, and a drop
 cannot be undone. If the pace falls behind the projection within the last kept epoch, the job's
 deadline stops training where it is (`ended_by: time_budget`). Pure: the clock is injected, the
-driver (`cluster.job.training_job`) applies the decisions.
+driver (`cluster.job.loop`) applies the decisions.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_bad_input_against_the_target_names_the_key():
 
 
 def test_bad_input_prompts_file_names_the_line(tmp_path):
-    from cluster.job import load_prompts
+    from cluster.data import load_prompts
     from dspark.prompts import read_conversations
 
     f = tmp_path / "prompts.jsonl"

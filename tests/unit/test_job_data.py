@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, load_config
-from cluster.job import check_eval_sets, load_prompts
+from cluster.data import check_eval_sets, load_prompts
 from dspark.prompts import cap_per_category
 
 ROOT = Path(__file__).resolve().parents[2]
