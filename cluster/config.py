@@ -8,7 +8,6 @@ topology that cannot work (`check_topology`), naming the missing resource.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,23 +309,6 @@ class JobConfig:
         return (ROOT / self.output_dir if not Path(self.output_dir).is_absolute() else Path(self.output_dir)) / self.run_name
 
 
-CHOICES = {
-    "device": ("cpu", "cuda"),
-    "drafter.mode": ("dspark", "dflash"),
-    "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
-    "drafter.init": ("random", "target_layers"),
-    "transport.protocol": ("tcp", "rdma"),
-    "transport.segment_host": ("node", "master"),
-    "trainer.precision": ("auto", "bf16-mixed", "bf16", "fp32"),
-    "target.dtype": ("auto", "bfloat16", "float16", "float32"),
-    "trainer.resume": ("auto", "never", "always"),
-    "trainer.release_samples": ("at_commit", "after_step"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
-    "inference.backend": ("vllm", "replay"),
-    "data.eval_backend": ("auto", "reference", "vllm"),
-}
-
-
 def read_yaml(path: str | Path):
     """The config file as a mapping of sections; ConfigError naming the file (and the line) if
     it is missing, not YAML, or not a mapping at the top."""
@@ -370,6 +352,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = getattr(e, "full_key", None) or key
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"config error at `{where}`: {first}") from None
+    from cluster.config_checks import validate
+
     validate(cfg)
     return resolve_for_machine(cfg)
 
@@ -394,154 +378,6 @@ def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:
     if cfg.trainer.precision == "auto":
         cfg.trainer.precision = "bf16-mixed" if bf16 else "fp32"
     return cfg
-
-
-@dataclass(frozen=True)
-class Range:
-    lo: float | None = None
-    hi: float | None = None
-    open_lo: bool = False  # lo itself not allowed
-    open_hi: bool = False
-
-    def holds(self, x) -> bool:
-        return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
-                and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
-
-    def __str__(self) -> str:
-        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
-        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
-        return " and ".join(x for x in (lo, hi) if x)
-
-
-POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1), Range(0), Range(0, 1)
-# Numeric settings and what they may be (None, where a key allows it, means "not set").
-RANGES = {
-    "target.num_aux_layers": AT_LEAST_1, "target.tensor_parallel_size": AT_LEAST_1, "target.nodes_per_replica": AT_LEAST_1,
-    "target.max_model_len": Range(2), "target.gpu_memory_utilization": Range(0, 1, open_lo=True),
-    "target.cpu_kvcache_space_gb": AT_LEAST_1, "target.kv_cache_blocks": AT_LEAST_1, "target.max_num_seqs": AT_LEAST_1,
-    "sampling.temperature": NON_NEGATIVE, "sampling.top_p": Range(0, 1, open_lo=True), "sampling.max_tokens": AT_LEAST_1,
-    "drafter.num_layers": AT_LEAST_1, "drafter.block_size": Range(2), "drafter.markov_rank": NON_NEGATIVE,
-    "drafter.draft_vocab_size": AT_LEAST_1, "drafter.mask_token_id": NON_NEGATIVE, "drafter.num_anchors": AT_LEAST_1,
-    "drafter.ce_weight": NON_NEGATIVE, "drafter.l1_weight": NON_NEGATIVE, "drafter.confidence_weight": NON_NEGATIVE,
-    "drafter.decay": POSITIVE,
-    "data.heldout_fraction": Range(0, 1, open_hi=True), "data.epochs": AT_LEAST_1, "data.max_prompts": AT_LEAST_1, "data.max_prompts_per_category": AT_LEAST_1,
-    "data.eval_limit": AT_LEAST_1, "data.eval_max_new_tokens": AT_LEAST_1, "data.eval_timeout_s": POSITIVE,
-    "data.max_failed_fraction": FRACTION,
-    "topology.placement_timeout_s": POSITIVE,
-    "transport.master_port": Range(0, 65535), "transport.segment_mb": Range(16),  # Mooncake refuses smaller (-600)
-    "transport.buffer_mb": AT_LEAST_1, "transport.max_service_restarts": NON_NEGATIVE,
-    "trainer.zero_stage": Range(0, 3), "trainer.batch_tokens": AT_LEAST_1, "trainer.lr": POSITIVE,
-    "trainer.weight_decay": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE, "trainer.min_lr_ratio": FRACTION,
-    "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.time_budget_s": POSITIVE, "trainer.checkpoint_interval": AT_LEAST_1,
-    "trainer.torch_threads": AT_LEAST_1, "trainer.torch_threads_when_idle": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
-    "trainer.max_restarts": NON_NEGATIVE, "trainer.max_nonfinite_steps": AT_LEAST_1, "trainer.stall_commit_s": POSITIVE,
-    "logging.progress_interval_s": POSITIVE,
-    "autoscaler.interval_s": POSITIVE, "autoscaler.starving_wait_fraction": FRACTION,
-    "autoscaler.scale_up_delay_s": NON_NEGATIVE, "autoscaler.scale_down_delay_s": NON_NEGATIVE,
-    "autoscaler.cooldown_s": NON_NEGATIVE, "autoscaler.min_gain": NON_NEGATIVE, "autoscaler.placement_timeout_s": POSITIVE,
-    "inference.replay_samples_per_s": NON_NEGATIVE, "inference.prompt_batch": AT_LEAST_1, "inference.cpu_threads": AT_LEAST_1,
-    "inference.max_replica_restarts": NON_NEGATIVE, "inference.generation_timeout_s": POSITIVE,
-    "inference.restart_backoff_s": NON_NEGATIVE,
-    "inference.first_samples_timeout_s": POSITIVE,
-}
-PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload, trainer.preload (cluster/hardware.py)
-MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
-
-
-def validate(cfg: JobConfig) -> None:
-    """Everything that can be checked without the target: choices, ranges, names, topology."""
-    node = OmegaConf.structured(cfg)
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(node, key)
-        if value not in allowed:
-            raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
-    for key, allowed_range in RANGES.items():
-        value = OmegaConf.select(node, key)
-        if value is not None and not allowed_range.holds(value):
-            raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range})")
-    for category, cap in cfg.data.category_caps.items():
-        if not AT_LEAST_1.holds(cap):
-            raise ConfigError(f"config error at `data.category_caps.{category}`: {cap!r} is out of range (must be {AT_LEAST_1})")
-    if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
-        raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
-                          "(letters, digits, '.', '_', '-'; no '..', no '/')")
-    if cfg.target.name is not None and (not MODEL_ID.match(cfg.target.name) or ".." in cfg.target.name):
-        raise ConfigError(f"config error at `target.name`: {cfg.target.name!r} is not a model id like `org/name`")
-    if cfg.sampling.max_tokens >= cfg.target.max_model_len:
-        raise ConfigError(f"config error at `sampling.max_tokens`: {cfg.sampling.max_tokens} leaves no room for a prompt "
-                          f"within target.max_model_len={cfg.target.max_model_len}")
-    t = cfg.transport
-    if not 0 < t.low_watermark < t.high_watermark <= 1:
-        raise ConfigError("config error at `transport.low_watermark`/`high_watermark`: need 0 < low < high <= 1")
-    if not cfg.topology.groups:
-        raise ConfigError("config error at `topology.groups`: at least one group is needed")
-    names = [g.name for g in cfg.topology.groups]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"config error at `topology.groups`: group names must be unique, got {names}")
-    for i, g in enumerate(cfg.topology.groups):
-        where = f"topology.groups[{i}]"
-        if not g.min_replicas <= g.inference_replicas <= g.max_replicas:
-            raise ConfigError(f"config error at `{where}`: need min_replicas <= inference_replicas <= max_replicas")
-        if g.trainer_nodes < 1 or g.trainer_ranks_per_node < 1:
-            raise ConfigError(f"config error at `{where}`: a group needs at least one trainer rank")
-        lo, hi = g.trainer_rank_bounds()
-        if not 1 <= lo <= g.trainer_ranks <= hi:
-            raise ConfigError(f"config error at `{where}.min_trainer_ranks`/`max_trainer_ranks`: need 1 <= min <= "
-                              f"trainer_nodes x trainer_ranks_per_node ({g.trainer_ranks}) <= max, got {lo}..{hi}")
-        if cfg.device == "cuda" and g.gpus_per_node <= 0:
-            raise ConfigError(f"config error at `{where}.gpus_per_node`: device=cuda needs GPUs per node")
-        tp, spread = cfg.target.tensor_parallel_size, cfg.target.nodes_per_replica
-        if g.gpus_per_node <= 0 and tp % spread:
-            raise ConfigError(f"config error at `target.nodes_per_replica`: {tp} tensor-parallel ranks do not split "
-                              f"evenly over {spread} nodes")
-        if g.gpus_per_node > 0:
-            if tp % spread or not 1 <= tp // spread <= g.gpus_per_node:
-                raise ConfigError(
-                    f"config error at `target.tensor_parallel_size`: {tp} GPUs over nodes_per_replica={spread} node(s) "
-                    f"must be a whole number of GPUs per node, at most gpus_per_node ({g.gpus_per_node}) of `{where}`")
-            if g.trainer_ranks_per_node > g.gpus_per_node:
-                raise ConfigError(f"config error at `{where}.trainer_ranks_per_node`: {g.trainer_ranks_per_node} ranks "
-                                  f"(one GPU each) on nodes of {g.gpus_per_node} GPUs")
-    for where, names in (("inference.preload", cfg.inference.preload), ("trainer.preload", cfg.trainer.preload)):
-        unknown = sorted(set(names) - set(PRELOADABLE))
-        if unknown:
-            raise ConfigError(f"config error at `{where}`: {unknown} not among {list(PRELOADABLE)}")
-    if cfg.inference.backend == "replay" and not cfg.inference.replay_dir:
-        raise ConfigError("config error at `inference.replay_dir`: the replay backend needs a folder of samples")
-
-
-def check_against_target(cfg: JobConfig, target) -> None:
-    """What needs the target's (text) config: aux layer ids within its layers, a draft vocabulary
-    and mask token within its vocabulary, a context the model supports. Run before any actor
-    starts (the job's preparation, `--plan`)."""
-    layers, vocab = target.num_hidden_layers, target.vocab_size
-    bad = [i for i in cfg.target.aux_layer_ids or [] if not 1 <= i <= layers]
-    if bad or len(set(cfg.target.aux_layer_ids or [])) != len(cfg.target.aux_layer_ids or []):
-        raise ConfigError(f"config error at `target.aux_layer_ids`: {cfg.target.aux_layer_ids} must be distinct ids in "
-                          f"[1, {layers}] (speculators indexing; the target has {layers} layers)")
-    if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size > vocab:
-        raise ConfigError(f"config error at `drafter.draft_vocab_size`: {cfg.drafter.draft_vocab_size} is larger than the "
-                          f"target's vocabulary ({vocab})")
-    if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= vocab:
-        raise ConfigError(f"config error at `drafter.mask_token_id`: {cfg.drafter.mask_token_id} is not a token of the "
-                          f"target's vocabulary ({vocab})")
-    tp = cfg.target.tensor_parallel_size
-    heads = getattr(target, "num_attention_heads", None)
-    kv_heads = getattr(target, "num_key_value_heads", None) or heads
-    if heads and heads % tp:
-        raise ConfigError(f"config error at `target.tensor_parallel_size`: {tp} ranks cannot split the target's "
-                          f"{heads} attention heads (vLLM shards heads evenly: choose a divisor of {heads})")
-    if kv_heads and not getattr(target, "kv_lora_rank", None) and kv_heads % tp and tp % kv_heads:
-        # vLLM splits KV heads evenly over the ranks, or replicates them when there are fewer
-        # KV heads than ranks (then the ranks must be a multiple of them); latent attention
-        # (kv_lora_rank) has no KV heads to split
-        raise ConfigError(f"config error at `target.tensor_parallel_size`: {tp} ranks cannot split the target's "
-                          f"{kv_heads} key/value heads (vLLM needs one to divide the other)")
-    longest = getattr(target, "max_position_embeddings", None)
-    if longest and cfg.target.max_model_len > longest:
-        raise ConfigError(f"config error at `target.max_model_len`: {cfg.target.max_model_len} is beyond the target's "
-                          f"max_position_embeddings ({longest})")
 
 
 def group_watermarks(cfg: JobConfig) -> dict[str, tuple[int, int]]:

@@ -1,12 +1,15 @@
 """The data room: what is trained, exactly once.
 
-Owns the job's prompts and their train / held-out split (`prompts`), the exactly-once ledger of every prompt x epoch (`ledger`, a pure state machine the job
-runs as a Ray actor), the training record that proves it at the end (`record`) and the replay
-producer that stores recorded answers instead of generating them (`replay`).
+Owns the job's prompts and their train / held-out split (`prompts`), the exactly-once ledger
+of every prompt x epoch (`ledger`, a pure state machine the job runs as a Ray actor: its
+entries in `ledger_entry`, what producers call in `ledger_generation`, what the training loop
+calls in `ledger_training`), the training record that proves it at the end (`record`) and the
+replay producer that stores recorded answers instead of generating them (`replay`).
 """
 
-from cluster.data.ledger import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance,
-                                 trained_outside)
+from cluster.data.ledger import SampleLedger
+from cluster.data.ledger_entry import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, balance,
+                                       trained_outside)
 from cluster.data.prompts import check_eval_sets, load_prompts, repo_path
 from cluster.data.record import ExactlyOnceViolation, TrainingRecord
 from cluster.data.replay import ReplayActor, ReplaySettings

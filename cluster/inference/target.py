@@ -10,7 +10,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig, check_against_target
+from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig
+from cluster.config_checks import check_against_target
 from dspark.chat import ChatFormat
 
 log = logging.getLogger("cluster.inference.target")

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import JobConfig, check_against_target, group_watermarks
+from cluster.config import JobConfig, group_watermarks
+from cluster.config_checks import check_against_target
 from cluster.scaling.placement import node_chunks, role_specs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}

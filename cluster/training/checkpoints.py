@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -77,3 +78,42 @@ class CheckpointDir:
         self.root.rename(dest)
         self.root.mkdir()
         return dest
+
+
+def publish(tmp: Path, dest: Path) -> None:
+    """Move a fully written checkpoint directory into place: its files on disk first, then the
+    rename (replacing a `dest` left by an earlier try), then the rename itself on disk."""
+    for f in tmp.rglob("*"):  # on disk before the rename makes it the latest
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def make_universal(trainer_dir: Path) -> None:
+    """The universal form of the DeepSpeed checkpoint in `trainer_dir` (to load it under another
+    world size), beside it in `universal/`, atomically renamed into place; kept, so that a later
+    resize from the same checkpoint reuses it."""
+    dest = trainer_dir.parent / "universal"
+    if not (dest / "ds").is_dir():
+        from argparse import Namespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tmp = dest.with_name(f".universal.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        # inject_missing_state: the conversion asks for Megatron's tensor/pipeline-parallel
+        # metadata, which a data-parallel-only checkpoint does not have (nothing to merge);
+        # one worker: no process pool inside the rank's actor.
+        ds_to_universal(Namespace(input_folder=str(trainer_dir / "ds"), output_folder=str(tmp / "ds"),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                  strict=True, inject_missing_state=True))
+        (tmp / "latest_universal").write_text("ds")
+        os.replace(tmp, dest)

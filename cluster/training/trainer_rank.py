@@ -12,74 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cluster.config import DrafterConfig, TrainerConfig
-from cluster.store import StoreConfig
-from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
-
-
-@dataclass
-class TrainerSettings:
-    """What every rank needs, typed (it crosses the Ray boundary as is)."""
-
-    target_path: str
-    drafter: DrafterConfig
-    trainer: TrainerConfig
-    store: StoreConfig
-    device: str = "cpu"
-    total_steps: int = 1000
-    aux_layer_ids: list[int] | None = None
-    extensions_dir: str | None = None
-    trust_remote_code: bool = False  # target.trust_remote_code
-    chat: ChatFormat = TOKENIZER_DEFAULT  # recorded in the exported drafter
-
-
-def load_checkpoints_without_code() -> None:
-    """DeepSpeed reads its checkpoints with `torch.load(weights_only=False)`, which runs whatever
-    a pickled file asks for, and resume reads them from shared storage. In this process torch is
-    told to load weights only (`TORCH_FORCE_WEIGHTS_ONLY_LOAD` overrides the call site's False),
-    with the three plain DeepSpeed types its checkpoints hold allowed (measured with DeepSpeed
-    0.19.8, ZeRO 1 and 2, fp32 and bf16): anything else in a checkpoint file is refused."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_config(t: TrainerConfig, world_size: int, load_universal: bool = False) -> dict:
-    """`load_universal`: the checkpoint to load is in DeepSpeed's universal format (a resize)."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    if t.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if load_universal:
-        cfg["checkpoint"] = {"load_universal": True}
-    return cfg
+from cluster.store import free_port
+from cluster.training.checkpoints import make_universal, publish
+from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
+                                         vocab_mapping_from)
 
 
 class TrainerRank:
@@ -120,7 +63,7 @@ class TrainerRank:
         from cluster.store import SampleRef
 
         samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
-        cfg = self._config({})
+        cfg = drafter_config(self.s, {})
         tok = AutoTokenizer.from_pretrained(self.s.target_path, trust_remote_code=self.s.trust_remote_code)
         pairs = [(s.token_ids, s.loss_mask) for s in samples] * 4
         for text in prompt_texts:
@@ -139,29 +82,10 @@ class TrainerRank:
             out.update(d2t=tensors["d2t"].tolist(), t2d=tensors["t2d"].tolist())
         return out
 
-    def _config(self, model_init: dict):
-        from dspark.config import DSparkConfig
-
-        if "config" in model_init:
-            return DSparkConfig.from_speculators_dict(model_init["config"])
-        from transformers import AutoTokenizer
-
-        d = self.s.drafter
-        dspark = d.mode == "dspark"
-        tok = AutoTokenizer.from_pretrained(self.s.target_path, trust_remote_code=self.s.trust_remote_code)
-        return DSparkConfig.from_target(
-            self.s.target_path, trust_remote_code=self.s.trust_remote_code, chat_format=self.s.chat.record(tok),
-            mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
-            markov_rank=d.markov_rank if dspark else 0, markov_head_type=d.markov_head_type,
-            enable_confidence_head=d.enable_confidence_head if dspark else False,
-            draft_vocab_size=d.draft_vocab_size, aux_layer_ids=self.s.aux_layer_ids,
-            **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
-        )
-
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), free_port("")  # free on every interface: the ranks of other nodes connect
 
     def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None,
               resized: bool = False) -> dict:
@@ -198,7 +122,7 @@ class TrainerRank:
         universal = bool(resume and resized and t.zero_stage > 0)
         if universal:
             resume = self.universal_checkpoint(resume)
-        cfg = self._config(model_init)
+        cfg = drafter_config(self.s, model_init)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         model = DSparkDrafter(cfg)
         model.load_target_weights(self.s.target_path)
@@ -259,24 +183,10 @@ class TrainerRank:
         barrier (the gang's call deadline bounds the wait if rank 0 dies converting)."""
         import torch.distributed as dist
 
-        dest = Path(trainer_dir).parent / "universal"
-        if self.rank == 0 and not (dest / "ds").is_dir():
-            from argparse import Namespace
-
-            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-            tmp = dest.with_name(f".universal.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            # inject_missing_state: the conversion asks for Megatron's tensor/pipeline-parallel
-            # metadata, which a data-parallel-only checkpoint does not have (nothing to merge);
-            # one worker: no process pool inside the rank's actor.
-            ds_to_universal(Namespace(input_folder=str(Path(trainer_dir) / "ds"), output_folder=str(tmp / "ds"),
-                                      num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                      strict=True, inject_missing_state=True))
-            (tmp / "latest_universal").write_text("ds")
-            os.replace(tmp, dest)
+        if self.rank == 0:
+            make_universal(Path(trainer_dir))
         dist.barrier()
-        return str(dest)
+        return str(Path(trainer_dir).parent / "universal")
 
     def set_lr_horizon(self, total_steps: int) -> None:
         """The step the LR schedule ends at, from the next step on (the plan was measured or shortened)."""
@@ -458,18 +368,7 @@ class TrainerRank:
         save_drafter(self.full_drafter(), tmp / "drafter")
         (tmp / "ledger.json").write_text(json.dumps(ledger_state))
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
-        for f in tmp.rglob("*"):  # on disk before the rename makes it the latest
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-        fd = os.open(dest.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself
-        finally:
-            os.close(fd)
+        publish(tmp, dest)
         return str(dest)
 
     def export(self, dest: str, confidence_temperatures: list[float] | None = None, verifier: str | None = None) -> str:
@@ -493,14 +392,3 @@ class TrainerRank:
         model = self.full_drafter()
         model.float()
         return calibrate_confidence(model, batches, self.objective.num_anchors)
-
-
-def vocab_mapping_from(samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int,
-                       always: list[int]) -> dict:
-    from dspark.vocab import build_vocab_mapping, token_frequencies
-
-    d2t, t2d = build_vocab_mapping(token_frequencies(samples_tokens, vocab_size), draft_vocab_size, always)
-    return {"d2t": d2t.tolist(), "t2d": t2d.tolist()}
-
-
-__all__ = ["TrainerRank", "TrainerSettings", "deepspeed_config", "vocab_mapping_from"]

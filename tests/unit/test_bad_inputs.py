@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import ConfigError, check_against_target, load_config
+from cluster.config import ConfigError, load_config
+from cluster.config_checks import check_against_target
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"

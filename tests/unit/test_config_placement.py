@@ -26,7 +26,7 @@ def test_kimi_k3_config_is_what_it_claims():
     """Aux layers spread over the target's depth, a drafter whose recipe drafts probabilistically
     (the full vocabulary), an autoscaler with room to act, a public verifier id, remote code on."""
     from cluster.scaling import drafter_size, target_config
-    from cluster.config import check_against_target
+    from cluster.config_checks import check_against_target
     from dspark.config import default_aux_layer_ids
     from dspark.recipe import speculative_config
 

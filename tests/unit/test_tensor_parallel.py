@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import ConfigError, check_against_target, load_config
+from cluster.config import ConfigError, load_config
+from cluster.config_checks import check_against_target
 from cluster.errors import last_exception_line
 from cluster.inference import executor_backend, omp_bind_per_rank
 

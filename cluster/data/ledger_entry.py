@@ -1,0 +1,57 @@
+"""One prompt x epoch of the job in the ledger (`Entry`), its states, and what can be read
+from a saved ledger state without a ledger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
+STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
+UNBOUNDED = (1 << 62, 1 << 61)  # (high, low) watermark bytes of a group nobody configured
+
+
+@dataclass
+class Entry:
+    prompt_id: str
+    epoch: int
+    state: str = PENDING
+    replica: str | None = None
+    group: str | None = None  # the group that generated the sample: its bytes live on that group's nodes
+    ref: dict | None = None  # SampleRef fields once stored
+    tokens: int = 0
+    nbytes: int = 0
+    step: int | None = None
+    rank: int | None = None
+    crossed: bool = False  # leased to a rank of another group
+    released: bool = False  # trained, not yet committed, and its bytes already gone from the store
+    suspect: bool = False  # was being generated when its replica died: retried alone
+    since: float = 0.0  # when the current state began
+    attempts: int = 0
+    errors: list[str] = field(default_factory=list)
+    trained_at_step: int | None = None
+
+    @property
+    def uid(self) -> str:
+        return f"{self.prompt_id}@{self.epoch}"
+
+
+class LedgerError(RuntimeError):
+    pass
+
+
+def trained_outside(state: dict, prompt_ids: set[str], epochs: int) -> list[str]:
+    """Sample ids (`prompt@epoch`) a saved ledger state trained that a ledger of these prompts
+    and epochs would not hold: what `load_state_dict` would silently drop."""
+    return sorted(f"{d['prompt_id']}@{d['epoch']}" for d in state["entries"]
+                  if d["state"] == TRAINED and (d["prompt_id"] not in prompt_ids or d["epoch"] >= epochs))
+
+
+def balance(items: list[tuple[str, int]], parts: int) -> list[list[str]]:
+    """Split (uid, tokens) into `parts` lists with near-equal token sums (largest first)."""
+    bins: list[list[str]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for uid, tokens in sorted(items, key=lambda x: -x[1]):
+        i = loads.index(min(loads))
+        bins[i].append(uid)
+        loads[i] += tokens
+    return bins
