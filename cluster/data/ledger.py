@@ -62,6 +62,7 @@ from dataclasses import asdict
 
 from cluster.data.ledger_entry import (FAILED, GENERATING, LEASED, PENDING, STATES, STORED, TRAINED, UNBOUNDED, Entry,
                                        LedgerError)
+from cluster.data.ledger_counts import GroupCounts, LedgerCounts
 from cluster.data.ledger_generation import GenerationSide
 from cluster.data.ledger_training import TrainingSide
 
@@ -252,32 +253,32 @@ class SampleLedger(GenerationSide, TrainingSide):
         return keys
 
     # ---- accounting --------------------------------------------------------------------
-    def counts(self) -> dict:
+    def counts(self) -> LedgerCounts:
         """Job-wide counts, and under `groups` what each group generated and holds."""
         now = self.clock()
         leases = [now - e.since for e in self._in(LEASED)]
         per_group = {}
         for g in self.groups():
-            per_group[g] = {
-                "generating": sum(e.group == g for e in self._in(GENERATING)),
-                "stored": sum(e.group == g for e in self._in(STORED)),
-                "leased": sum(e.group == g for e in self._in(LEASED)),
-                "queued_bytes": self.queued_bytes(g),
-                "paused": self.full(g),
+            per_group[g] = GroupCounts(
+                generating=sum(e.group == g for e in self._in(GENERATING)),
+                stored=sum(e.group == g for e in self._in(STORED)),
+                leased=sum(e.group == g for e in self._in(LEASED)),
+                queued_bytes=self.queued_bytes(g),
+                paused=self.full(g),
                 **dict(self.group_totals.get(g, {})),
-            }
-        return {
+            )
+        return LedgerCounts(
             **{s: len(self._members[s]) for s in STATES},
-            "total": len(self.entries),
-            "queued_bytes": self.queued_bytes(),
-            "paused": any(self.full(g) for g in self.groups()),
-            "oldest_lease_s": max(leases) if leases else 0.0,
-            "epoch": self.current_epoch(),
-            "epochs": self.epochs,
-            "to_generate": self.to_generate(),
+            total=len(self.entries),
+            queued_bytes=self.queued_bytes(),
+            paused=any(self.full(g) for g in self.groups()),
+            oldest_lease_s=max(leases) if leases else 0.0,
+            epoch=self.current_epoch(),
+            epochs=self.epochs,
+            to_generate=self.to_generate(),
             **dict(self.totals),
-            "groups": per_group,
-        }
+            groups=per_group,
+        )
 
     def to_generate(self) -> int:
         """Samples still to be generated (with reuse, a later epoch's pending entry is not one

@@ -18,18 +18,17 @@ class Producer:
         """One report per prompt: {"uid", "ref", "tokens", "nbytes"} or {"uid", "error"}."""
         raise NotImplementedError
 
-    def serve(self, ledger, batch_size: int, idle_s: float = 0.2, ledger_timeout_s: float = 60.0) -> dict:
-        import ray
-
+    def serve(self, ledger, batch_size: int, idle_s: float = 0.2) -> dict:
+        """`ledger`: a `cluster.data.LedgerClient` (its deadline bounds each call)."""
         # The flag is not reset here: `stop` may run before this starts (a replica replaced just
         # as the job ends gets both calls queued, and a threaded actor runs them in any order);
         # resetting it would serve until the pool's drain deadline.
         while not self._stopping:
-            prompts = ray.get(ledger.request_prompts.remote(self.replica_id, batch_size, self.group), timeout=ledger_timeout_s)
+            prompts = ledger.request_prompts(self.replica_id, batch_size, self.group)
             if not prompts:
                 time.sleep(idle_s)
                 continue
-            ray.get(ledger.report_produced.remote(self.replica_id, self.produce(prompts)), timeout=ledger_timeout_s)
+            ledger.report_produced(self.replica_id, self.produce(prompts))
         return self.stats()
 
     def stop(self) -> None:

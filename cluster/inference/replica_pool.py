@@ -25,6 +25,8 @@ from cluster.errors import cause_of
 from cluster.scaling import Placed, RoleSpec, place
 from cluster.store import StoreServices
 
+PRODUCER_LEDGER_TIMEOUT_S = 60.0  # a producer's call on the ledger (it answers in milliseconds)
+
 log = logging.getLogger("dspark.replicas")
 
 
@@ -149,7 +151,7 @@ class ReplicaPool:
             settings = replace(self.spec.settings, store=self.services.store_config())
             actor, helpers = start_engine_actors(self.spec.actor_class, settings, placed, self.spec.env,
                                                  f"{self.run_name}-{rid}", (rid, self.group))
-            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger, self.spec.prompt_batch), placed, owned,
+            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger.with_timeout(PRODUCER_LEDGER_TIMEOUT_S), self.spec.prompt_batch), placed, owned,
                                          helpers)
             return rid
 
@@ -172,7 +174,7 @@ class ReplicaPool:
                 except Exception as e:  # noqa: BLE001 - any failure of the replica
                     error = e
                 cause = self.hung.pop(rid, None) or cause_of(error, 1000)
-                returned = self.ray.get(self.ledger.replica_died.remote(rid, cause), timeout=30)
+                returned = self.ledger.replica_died(rid, cause)
                 del self.replicas[rid]
                 self._kill_replica(rep)
                 at_start = bool(getattr(error, "actor_init_failed", False))
@@ -203,7 +205,7 @@ class ReplicaPool:
         if time.monotonic() - self._hung_checked < every_s:
             return
         self._hung_checked = time.monotonic()
-        hung = self.ray.get(self.ledger.hung_replicas.remote(self.generation_timeout_s), timeout=30)
+        hung = self.ledger.hung_replicas(self.generation_timeout_s)
         with self._lock:
             for rid, age in hung.items():
                 if rid in self.replicas and rid not in self.hung:
@@ -238,7 +240,7 @@ class ReplicaPool:
             self.ray.get(rep.actor.stop.remote(), timeout=30)
             self.ray.get(rep.serving, timeout=drain_timeout_s)
         except Exception:  # noqa: BLE001 - died (or hung) while draining: its prompts go back
-            self.ray.get(self.ledger.replica_died.remote(rid), timeout=30)
+            self.ledger.replica_died(rid)
         self._kill_replica(rep)
         if rep.owned:
             remove_placement_group(rep.placed.pg)

@@ -16,14 +16,14 @@ def checkpoint(job) -> Path:
     the store; older checkpoints rotate away (the last two stay). A model with a non-finite
     weight is never saved: the world restarts from the last good checkpoint instead."""
     step = job.stats.step
-    if not all(job.gang.call("parameters_finite")):
+    if not job.gang.parameters_finite():
         raise TrainerFailure(f"non-finite weights at step {step}: not saved")
     tmp, dest = job.checkpoints.paths(step)
-    state = job.ledger_call("checkpoint_state", step)
+    state = job.ledger.checkpoint_state(step)
     rows = job.record.commit(step)  # before the rename: a crash in between rolls these rows back
     job.gang.save_checkpoint(tmp, dest, step, state, {"step": step, "record_rows": rows, "lr_horizon": job.total_steps})
-    keys = job.ledger_call("commit", step)
-    job.gang.on_rank0("remove_keys", keys)
+    keys = job.ledger.commit(step)
+    job.gang.remove_keys(keys)
     job.uncommitted = []
     job.checkpoints.rotate()
     log.info("checkpoint at step %d (%d record rows; %d samples left the store)", step, rows, len(keys))

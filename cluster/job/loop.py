@@ -46,21 +46,21 @@ def global_step(job) -> str:
     cannot be trained: given back), "skipped" (a non-finite loss) or "drained"."""
     t, s = job.cfg.trainer, job.stats
     t0 = time.perf_counter()
-    lease = job.ledger_call("lease_step", s.step + 1, job.gang.rank_groups, t.batch_tokens)
+    lease = job.ledger.lease_step(s.step + 1, job.gang.rank_groups, t.batch_tokens)
     if lease is None:
-        if job.ledger_call("drained"):
+        if job.ledger.drained():
             return "drained"
         wait_for_data(job)
         s.data_wait_s += time.perf_counter() - t0
         return "waited"
     bad = job.gang.fetch(s.step + 1, lease)
     if bad:  # gone from the store (a daemon or the master died) or unusable: regenerate them
-        job.ledger_call("release_lease", s.step + 1, bad)
+        job.ledger.release_lease(s.step + 1, bad)
         job.events.append(f"step {s.step + 1}: {len(bad)} samples could not be read, e.g. "
                            f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating")
         return "waited"
     s.data_wait_s += time.perf_counter() - t0
-    generating = job.ledger_call("to_generate") > 0
+    generating = job.ledger.to_generate() > 0
     if job.cfg.device == "cpu":
         job.gang.set_threads(t.torch_threads if generating else t.torch_threads_when_idle)
     t1 = time.perf_counter()
@@ -77,7 +77,7 @@ def global_step(job) -> str:
     job.uncommitted = release_before(job, s.step, rows) if t.release_samples == "after_step" else job.uncommitted + rows
     job.reporter.on_step(s.step, per_rank)
     # The last step's samples stay uncommitted (and in the store) for the final calibration.
-    if s.step % t.checkpoint_interval == 0 and not job.ledger_call("drained"):
+    if s.step % t.checkpoint_interval == 0 and not job.ledger.drained():
         checkpoint(job)
     follow_plan(job, len(rows), generating)
     return "stepped"
@@ -91,12 +91,12 @@ def follow_plan(job, samples: int, generating: bool) -> None:
     planner.on_step(job.stats.step, samples, generating)
     if not planner.ready() or (job.horizon_epochs is not None and not planner.budgeted):
         return
-    remaining = job.ledger_call("remaining_per_epoch")
-    plan = planner.plan(remaining, job.ledger_call("first_open_epoch"), job.horizon_epochs)
+    remaining = job.ledger.remaining_per_epoch()
+    plan = planner.plan(remaining, job.ledger.first_open_epoch(), job.horizon_epochs)
     if plan is None:
         return
     if plan.drop:
-        job.gang.on_rank0("remove_keys", job.ledger_call("shorten", plan.epochs))
+        job.gang.remove_keys(job.ledger.shorten(plan.epochs))
         job.events.append(f"step {job.stats.step}: {plan.epochs} of {len(remaining)} epochs fit in trainer.time_budget_s="
                            f"{job.cfg.trainer.time_budget_s:g} at {plan.samples_per_s:.2f} samples/s; the others are dropped")
         log.info("%s", job.events[-1])
@@ -115,7 +115,7 @@ def nonfinite_step(job, step: int, per_rank: list[dict]) -> None:
     loss was not finite are FAILED after max attempts of that)."""
     ranks = [m["rank"] for m in per_rank if m["nonfinite"]]
     bad = {uid: f"non-finite loss on rank {m['rank']}" for m in per_rank if m["nonfinite"] for uid in m["batch"]}
-    job.ledger_call("release_lease", step, bad, "non-finite loss", False)
+    job.ledger.release_lease(step, bad, "non-finite loss", False)
     job.nonfinite_streak += 1
     job.stats.skipped_steps += 1
     job.events.append(f"step {step}: non-finite loss on ranks {ranks}; update skipped on every rank")
@@ -129,9 +129,9 @@ def nonfinite_step(job, step: int, per_rank: list[dict]) -> None:
 def release_before(job, step: int, rows: list[dict]) -> list[dict]:
     """`trainer.release_samples=after_step`: the previous step's samples leave the store; the
     newest step's (`rows`) stay, for the final calibration, and are what is left in it."""
-    keys = job.ledger_call("release", step - 1)
+    keys = job.ledger.release(step - 1)
     if keys:
-        job.gang.on_rank0("remove_keys", keys)
+        job.gang.remove_keys(keys)
     return rows
 
 
@@ -141,13 +141,13 @@ def wait_for_data(job) -> None:
     when a group's producers are held back (its watermark), or when nothing has been stored
     for `trainer.stall_commit_s` while samples are in generation (their puts may be waiting
     for room that only a commit frees: Mooncake evicts nothing)."""
-    counts = job.ledger_call("counts")
-    produced = counts.get("produced_samples", 0)
+    counts = job.ledger.counts()
+    produced = counts.produced_samples
     if produced != job.produced_seen:
         job.produced_seen, job.produced_at = produced, time.monotonic()
-    stalled = counts["generating"] and time.monotonic() - job.produced_at > job.cfg.trainer.stall_commit_s
-    if job.uncommitted and (counts["paused"] or stalled):
-        why = "store full of uncommitted samples" if counts["paused"] else "nothing stored for a while"
+    stalled = counts.generating and time.monotonic() - job.produced_at > job.cfg.trainer.stall_commit_s
+    if job.uncommitted and (counts.paused or stalled):
+        why = "store full of uncommitted samples" if counts.paused else "nothing stored for a while"
         job.events.append(f"step {job.stats.step}: {why}, checkpointing early")
         log.info("%s", job.events[-1])
         checkpoint(job)

@@ -14,11 +14,11 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from cluster.data import LedgerCounts
 from cluster.metrics import Metrics
 
 log = logging.getLogger("dspark.progress")
 TRAIN_METRICS = ("loss", "ce", "l1", "confidence_bce", "expected_tau", "greedy_tau", "lr")
-SAMPLE_STATES = ("pending", "generating", "stored", "leased", "trained", "failed")
 
 
 @dataclass
@@ -33,16 +33,16 @@ class TrainingStats:
     resize_seq_handled: int = 0  # the last resize request the loop has acted on (applied or refused)
 
 
-def eta(stats: TrainingStats, counts: dict, gen_rate: float) -> float:
+def eta(stats: TrainingStats, counts: LedgerCounts, gen_rate: float) -> float:
     """Seconds until the slower of generation (what is left, at the current rate) and
     training (what is left, at the trainer's own pace, data waits excluded) is done."""
-    done = counts["trained"] + counts["leased"]
+    done = counts.trained + counts.leased
     if not done or not stats.step:
         return float("nan")
-    to_generate = counts["to_generate"]
-    tokens_per_sample = counts.get("produced_tokens", 0) / max(counts.get("produced_samples", 0), 1)
+    to_generate = counts.to_generate
+    tokens_per_sample = counts.produced_tokens / max(counts.produced_samples, 1)
     gen_s = to_generate * tokens_per_sample / gen_rate if to_generate and gen_rate > 0 else 0.0
-    train_s = (counts["total"] - done) / (done / stats.step) * (stats.train_s / stats.step)
+    train_s = (counts.total - done) / (done / stats.step) * (stats.train_s / stats.step)
     return max(gen_s, train_s)
 
 
@@ -74,34 +74,34 @@ class ProgressReporter:
             self.metrics.gauge("master_restarts", self.services.master_info()["restarts"])
         except Exception:  # noqa: BLE001 - a metric is not worth failing the report for
             pass
-        c = self.ray.get(self.ledger.counts.remote(), timeout=30)
-        for k in SAMPLE_STATES:
-            self.metrics.gauge(f"samples_{k}", c[k])
-        self.metrics.gauge("oldest_lease_s", c["oldest_lease_s"])
-        self.metrics.gauge("crossed_samples", c.get("crossed_samples", 0))
+        c = self.ledger.counts()
+        for state, n in c.per_state().items():
+            self.metrics.gauge(f"samples_{state}", n)
+        self.metrics.gauge("oldest_lease_s", c.oldest_lease_s)
+        self.metrics.gauge("crossed_samples", c.crossed_samples)
         self.metrics.gauge("trainer_ranks", self.stats.ranks)
         s, m = self.stats, self.stats.last
         gen_total, lines = 0.0, []
         for name, pool in self.pools.items():
-            g = c["groups"].get(name, {})
+            g = c.group(name)
             rate = sum(x["tokens_per_s"] for x in pool.stats())
             gen_total += rate
             tags = {"group": name}
-            self.metrics.gauge("queue_bytes", g.get("queued_bytes", 0), **tags)
-            self.metrics.gauge("queue_samples", g.get("stored", 0), **tags)
-            self.metrics.gauge("producers_paused", int(g.get("paused", False)), **tags)
+            self.metrics.gauge("queue_bytes", g.queued_bytes, **tags)
+            self.metrics.gauge("queue_samples", g.stored, **tags)
+            self.metrics.gauge("producers_paused", int(g.paused), **tags)
             self.metrics.gauge("inference_tokens_per_s", rate, **tags)
             self.metrics.gauge("inference_replicas", len(pool), **tags)
-            self.metrics.gauge("samples_generated", g.get("produced_samples", 0), **tags)
+            self.metrics.gauge("samples_generated", g.produced_samples, **tags)
             lines.append(
-                f"[progress]   {name}: in {rate:.0f} tok/s (replicas {len(pool)}) | generated {g.get('produced_samples', 0)} "
-                f"| queue {g.get('stored', 0)} samples {g.get('queued_bytes', 0) / 2**20:.0f} MiB"
-                f"{' (paused)' if g.get('paused') else ''} | trained {g.get('trained_samples', 0)}, "
-                f"{g.get('crossed_samples', 0)} of them by another group's ranks")
+                f"[progress]   {name}: in {rate:.0f} tok/s (replicas {len(pool)}) | generated {g.produced_samples} "
+                f"| queue {g.stored} samples {g.queued_bytes / 2**20:.0f} MiB"
+                f"{' (paused)' if g.paused else ''} | trained {g.trained_samples}, "
+                f"{g.crossed_samples} of them by another group's ranks")
         left = eta(s, c, gen_total)
-        failed = f", {c['failed']} failed" if c["failed"] else ""
+        failed = f", {c.failed} failed" if c.failed else ""
         skipped = f", {s.skipped_steps} skipped (non-finite)" if s.skipped_steps else ""
-        head = (f"[progress] step {s.step} ({s.ranks} ranks{skipped}) | trained {c['trained']}+{c['leased']} leased{failed} / {c['total']} "
+        head = (f"[progress] step {s.step} ({s.ranks} ranks{skipped}) | trained {c.trained}+{c.leased} leased{failed} / {c.total} "
                 f"| loss {m.get('loss', math.nan):.3f} tau~{m.get('expected_tau', math.nan):.2f} "
                 f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min")
         return "\n".join([head, *lines])

@@ -63,8 +63,8 @@ def restore_data_state(job) -> Path | None:
             job.events.append(f"fresh start: earlier checkpoints moved to {moved}")
         job.record.reset()
         return None
-    stale = job.ledger_call("load_state_dict", json.loads((resume / "ledger.json").read_text()), job.master_generation)
-    job.gang.on_rank0("remove_keys", stale)
+    stale = job.ledger.load_state_dict(json.loads((resume / "ledger.json").read_text()), job.master_generation)
+    job.gang.remove_keys(stale)
     job.record.rollback_to(job.checkpoints.meta(resume)["record_rows"])
     job.events.append(f"resumed from {resume}")
     log.info("resuming from %s", resume)
@@ -95,7 +95,7 @@ def restart_trainer(job, cause: Exception) -> None:
             job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
             job.gang.start(job.trainer_pgs)
             ckpt = job.checkpoints.latest()
-            returned = job.ledger_call("trainer_restarted", job.checkpoints.meta(ckpt)["step"] if ckpt else 0)
+            returned = job.ledger.trainer_restarted(job.checkpoints.meta(ckpt)["step"] if ckpt else 0)
             job.record.rollback_to(job.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
             job.uncommitted = []
             job.events.append(f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
@@ -141,7 +141,7 @@ def resize(job, request: ResizeTrainer) -> None:
     job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
     job.gang.start(placed)
     resized = job.gang.size != sum(old.values())  # the old layout placed again keeps its optimizer state
-    job.gang.setup(job.gang.on_rank0("read_drafter", str(ckpt / "drafter")), ckpt, resized)
+    job.gang.setup(job.gang.read_drafter(str(ckpt / "drafter")), ckpt, resized)
     job.stats.ranks, job.stats.layout = job.gang.size, job.gang.layout()
     job.stats.resize_seq_handled = request.seq
     job.planner.remeasure()  # another world, another pace (and the resize's own minutes are not one step)
@@ -155,7 +155,7 @@ def begin(job) -> int:
     vocabulary counted on the first stored answers); the step it starts from."""
     if job.resume_from is None:
         return job.gang.setup(fresh_model_init(job), None, False)
-    model_init = job.gang.on_rank0("read_drafter", str(job.resume_from / "drafter"))
+    model_init = job.gang.read_drafter(str(job.resume_from / "drafter"))
     return job.gang.setup(model_init, job.resume_from, job.checkpoints.meta(job.resume_from)["world_size"] != job.gang.size)
 
 
@@ -168,24 +168,24 @@ def fresh_model_init(job) -> dict:
     want = min(VOCAB_SAMPLES, len(job.train_prompts))
     deadline = time.monotonic() + job.cfg.inference.first_samples_timeout_s
     while True:
-        rows = job.ledger_call("peek_stored", want)
-        counts = job.ledger_call("counts")
+        rows = job.ledger.peek_stored(want)
+        counts = job.ledger.counts()
         # A full store (producers paused) or nothing left to generate: take what there is.
-        if len(rows) >= want or (rows and (counts["paused"] or counts["to_generate"] == 0)):
+        if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
             break
-        if not rows and counts["to_generate"] == 0 and not counts["generating"]:
-            failed = job.ledger_call("outcome")["failed"]
+        if not rows and counts.to_generate == 0 and not counts.generating:
+            failed = job.ledger.outcome()["failed"]
             example = next(iter(failed.items()), ("-", ["?"]))
             raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
                                f"{example[1][-1] if example[1] else '?'}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(rows)} of the first {want} answers stored after "
                                f"{job.cfg.inference.first_samples_timeout_s:.0f}s (inference.first_samples_timeout_s); "
-                               f"ledger: {({k: counts[k] for k in ('pending', 'generating', 'stored', 'failed')})}")
+                               f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}")
         supervise(job)
         time.sleep(0.5)
     texts = [m["content"] for c in job.train_prompts for m in c.prompt_messages]
-    return job.gang.on_rank0("vocab_mapping", rows, texts)
+    return job.gang.vocab_mapping(rows, texts)
 
 
 def supervise(job) -> None:
@@ -193,9 +193,9 @@ def supervise(job) -> None:
     gen = job.services.check()
     if gen > job.master_generation:
         job.master_generation = gen
-        lost = job.ledger_call("master_restarted", gen)
+        lost = job.ledger.master_restarted(gen)
         job.events.append(f"master restarted (generation {gen}): {lost} stored samples back to pending")
         log.warning("%s", job.events[-1])
-        job.gang.call("reconnect_store")
+        job.gang.reconnect_store()
     for pool in job.pools.values():
         pool.supervise()

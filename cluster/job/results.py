@@ -27,32 +27,32 @@ class JobFailed(RuntimeError):
 
 
 def finish(job, calibration: dict) -> dict:
-    outcome = job.ledger_call("outcome")
+    outcome = job.ledger.outcome()
     proof = job.record.verify(outcome, complete=job.ended_by == "data")
     log.info("exactly-once: %s", proof)
     final = job.run_dir / "final"
     job.gang.export(str(final), calibration.get("temperatures"), job.cfg.target.name)
-    counts = job.ledger_call("counts")
+    counts = job.ledger.counts()
     results = {
         "run_dir": str(job.run_dir), "drafter": str(final), "steps": job.stats.step, "ended_by": job.ended_by,
-        "trained_fraction": proof["trained"] / max(counts["total"], 1),
+        "trained_fraction": proof["trained"] / max(counts.total, 1),
         "exactly_once": proof, "world": job.gang.layout(), "calibration": calibration, "events": job.events,
         # the plan the time budget kept (cluster.training.budget); what each epoch trained is in exactly_once
-        "epochs": {"planned": job.cfg.data.epochs, "kept": counts["epochs"]}, "lr_horizon": job.total_steps,
+        "epochs": {"planned": job.cfg.data.epochs, "kept": counts.epochs}, "lr_horizon": job.total_steps,
         "trained_until_s": job.trained_until_s,
         "groups": {name: {"replicas": job.final_replicas[name], "generated": proof["generated_by_group"].get(name, 0),
                           "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),
                           "events": pool.events} for name, pool in job.pools.items()},
     }
     failed = proof["failed"]
-    results["failed_fraction"] = len(failed) / max(counts["total"], 1)
+    results["failed_fraction"] = len(failed) / max(counts.total, 1)
     if failed:
         errors = outcome["failed"][failed[0]]
         results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
         log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
     results["evaluation"], results["evaluation_sets"] = evaluate(job, str(final))
     results["tau"] = results["evaluation"]["tau"]
-    write_recipe(final, training_summary(job, proof["trained"], counts["epochs"]), results["evaluation"])
+    write_recipe(final, training_summary(job, proof["trained"], counts.epochs), results["evaluation"])
     # Final values once more, fresh for whoever looks after the job: Ray drops series that
     # nobody has set for a while, and training ended before the evaluation.
     job.reporter.report()
@@ -69,7 +69,7 @@ def finish(job, calibration: dict) -> dict:
     (job.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
     if results["failed_fraction"] > job.cfg.data.max_failed_fraction:
         u = failed[0]
-        raise JobFailed(f"{len(failed)} of {counts['total']} prompt x epochs failed ({results['failed_fraction']:.1%} > "
+        raise JobFailed(f"{len(failed)} of {counts.total} prompt x epochs failed ({results['failed_fraction']:.1%} > "
                         f"data.max_failed_fraction={job.cfg.data.max_failed_fraction}), e.g. {u}: "
                         f"{outcome['failed'][u][-1] if outcome['failed'][u] else '?'}; the drafter and result.json "
                         f"are written ({job.run_dir})")

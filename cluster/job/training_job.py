@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cluster.config import JobConfig, group_watermarks, to_yaml
 from cluster.control import ControlChannel
-from cluster.data import SampleLedger, TrainingRecord, check_eval_sets, load_prompts
+from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
 from cluster.job.checkpointing import checkpoint
 from cluster.job.loop import train
 from cluster.job.progress import ProgressReporter, TrainingStats
@@ -39,7 +39,6 @@ from cluster.metrics import Metrics
 from cluster.training import CheckpointDir, EpochPlanner
 
 log = logging.getLogger("dspark.job")
-LEDGER_TIMEOUT_S = 60.0  # one call on the ledger actor (it answers in milliseconds)
 
 
 class TrainingJob:
@@ -124,17 +123,17 @@ class TrainingJob:
         self.services.ensure_node_stores(self.placed)
         prompts = [{"id": c.id, "messages": c.prompt_messages} for c in self.train_prompts]
         reuse = cfg.data.reuse_samples_across_epochs
-        self.ledger = self.ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
+        self.ledger = LedgerClient(self.ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
             prompts, epochs=cfg.data.epochs, key_prefix=cfg.run_name, watermarks=group_watermarks(cfg),
             reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0, shuffle_seed=cfg.trainer.seed,
-            sample_bytes_estimate=self.max_sample_bytes)
+            sample_bytes_estimate=self.max_sample_bytes))
         self.master_generation = self.services.master_info()["generation"]
         self.trainer_pgs = [p for p in self.placed if p.spec.role == "trainer"]
         self.gang = TrainerGang(trainer_settings(self), cfg.run_name, cpu_rank_env(self))
         self.gang.start(self.trainer_pgs)
         self.resume_from = restore_data_state(self)  # before any producer asks the ledger for prompts
         for gi, g in enumerate(cfg.topology.groups):
-            pool = ReplicaPool(g.name, producer_spec(self, gi), self.ledger, self.services, replica_spec(cfg, gi),
+            pool = ReplicaPool(g.name, producer_spec(self, gi), self.ledger.with_timeout(30), self.services, replica_spec(cfg, gi),
                                cfg.run_name, cfg.autoscaler.placement_timeout_s, cfg.inference.max_replica_restarts,
                                cfg.inference.generation_timeout_s, cfg.inference.restart_backoff_s)
             for p in self.placed:
@@ -142,13 +141,13 @@ class TrainingJob:
                     pool.start(p)
             self.pools[g.name] = pool
         self.stats.ranks, self.stats.layout = self.gang.size, self.gang.layout()
-        self.reporter = ProgressReporter(self.metrics, self.ledger, self.pools, self.stats, self.services, self.wandb)
+        self.reporter = ProgressReporter(self.metrics, self.ledger.with_timeout(30), self.pools, self.stats, self.services, self.wandb)
         threading.Thread(target=self.reporter.loop, args=(self.stop_event, cfg.logging.progress_interval_s),
                          daemon=True, name="progress").start()
         if cfg.autoscaler.enabled:
             from cluster.scaling import AutoscaleLoop
 
-            self.autoscaler = AutoscaleLoop(cfg, self.pools, self.ledger, self.stats, self.control)
+            self.autoscaler = AutoscaleLoop(cfg, self.pools, self.ledger.with_timeout(30), self.stats, self.control)
             threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
 
     def check_resume_plan(self) -> None:
@@ -156,8 +155,6 @@ class TrainingJob:
         (`recovery.check_resume_plan`)."""
         check_resume_plan(self)
 
-    def ledger_call(self, method: str, *args):
-        return self.ray.get(getattr(self.ledger, method).remote(*args), timeout=LEDGER_TIMEOUT_S)
     def finalize(self) -> dict:
         """Producers stop (and with them the reporter and the autoscaler threads); the confidence
         head is calibrated on the last, uncommitted samples (never trained twice: calibration

@@ -75,9 +75,9 @@ class AutoscaleLoop:
         """Per group: its replicas' rate per busy replica and its queue; the world's rate per
         rank and data-wait fraction (the same for every group: they share one trainer), all
         over the window since the last call."""
-        c = self.ray.get(self.ledger.counts.remote(), timeout=30)
+        c = self.ledger.counts()
         s, w, now = self.stats, self.window, time.monotonic()
-        trained = c.get("trained_samples", 0) + c["leased"]
+        trained = c.trained_samples + c.leased
         d_trained, d_train = trained - w.get("trained", 0), s.train_s - w.get("train_s", 0.0)
         d_wait, d_time = s.data_wait_s - w.get("wait_s", 0.0), now - w.get("t", now)
         w.update(trained=trained, train_s=s.train_s, wait_s=s.data_wait_s, t=now)
@@ -90,14 +90,14 @@ class AutoscaleLoop:
             busy = sum(x.get("seconds", 0.0) for x in replicas)
             d_prod, d_busy = produced - w.get(("produced", g.name), 0), busy - w.get(("busy", g.name), 0.0)
             w[("produced", g.name)], w[("busy", g.name)] = produced, busy
-            mine = c["groups"].get(g.name, {})
+            mine = c.group(g.name)
             lo, hi = g.trainer_rank_bounds()
             out.append(GroupState(
                 g.name, len(self.pools[g.name]), s.layout.get(g.name, 0), g.min_replicas, g.max_replicas, lo, hi,
                 per_replica_rate=d_prod / d_busy if d_busy > 0 and d_prod > 0 else None, per_rank_rate=per_rank,
                 data_wait_fraction=min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
-                queue_samples=mine.get("stored", 0), queue_bytes=mine.get("queued_bytes", 0),
-                high_watermark_bytes=marks[g.name][0], producers_paused=mine.get("paused", False),
+                queue_samples=mine.stored, queue_bytes=mine.queued_bytes,
+                high_watermark_bytes=marks[g.name][0], producers_paused=mine.paused,
                 trainer_running=s.train_s > 0))
         return out
 

@@ -53,12 +53,12 @@ class TrainerGang:
         except self.ray.exceptions.RayTaskError as e:
             raise TrainerFailure(f"a trainer rank failed during {what}: {cause_of(e)}") from None
 
-    def call(self, method: str, *args, what: str | None = None) -> list:
-        """`method(*args)` on every rank, in rank order."""
-        return self._wait([getattr(r, method).remote(*args) for r in self.ranks], what or method)
+    def _on_all(self, call, what: str) -> list:
+        """`call(rank)` (a remote call on that rank's actor) on every rank, in rank order."""
+        return self._wait([call(r) for r in self.ranks], what)
 
-    def on_rank0(self, method: str, *args, what: str | None = None):
-        return self._wait(getattr(self.ranks[0], method).remote(*args), what or method)
+    def _on_rank0(self, call, what: str):
+        return self._wait(call(self.ranks[0]), what)
 
     @property
     def size(self) -> int:
@@ -91,24 +91,25 @@ class TrainerGang:
             for r, (p, b) in enumerate(slots)
         ]
         self.threads = self.settings.trainer.torch_threads
-        self.call("connect_store")
+        self._on_all(lambda r: r.connect_store.remote(), "connect_store")
 
     def set_threads(self, threads: int | None) -> None:
         """CPU threads per rank from now on (None or unchanged: nothing to do)."""
         if threads and threads != self.threads:
-            self.call("set_threads", threads)
+            self._on_all(lambda r: r.set_threads.remote(threads), "set_threads")
             self.threads = threads
 
     def set_lr_horizon(self, total_steps: int) -> None:
         """The LR schedule ends at `total_steps`, on these ranks and on any world started later."""
-        self.call("set_lr_horizon", total_steps)
+        self._on_all(lambda r: r.set_lr_horizon.remote(total_steps), "set_lr_horizon")
         self.settings = replace(self.settings, total_steps=total_steps)
 
     def setup(self, model_init: dict, resume: Path | None, resized: bool) -> int:
         """Rendezvous at rank 0, build the drafter and engines, load `resume` if given; the step
         the world starts from."""
-        addr, port = self.on_rank0("rendezvous_address")
-        out = self.call("setup", addr, port, model_init, str(resume / "trainer") if resume else None, resized)
+        addr, port = self._on_rank0(lambda r: r.rendezvous_address.remote(), "rendezvous_address")
+        trainer_dir = str(resume / "trainer") if resume else None
+        out = self._on_all(lambda r: r.setup.remote(addr, port, model_init, trainer_dir, resized), "setup")
         log.info("trainer world: %d ranks %s, %d trainable parameters, step %d", self.size, self.layout(),
                  out[0]["params"], out[0]["step"])
         return out[0]["step"]
@@ -132,22 +133,46 @@ class TrainerGang:
     # ---- the drafter's full weights on rank 0 ------------------------------------------------
     def calibrate(self, rows: list[dict]) -> dict:
         """Confidence temperatures fitted on `rows` by rank 0, on the world's current weights."""
-        self.call("gather_full_weights")  # (collective under ZeRO-3, where rank 0 holds a partition)
-        return self.on_rank0("calibrate", rows)
+        self._gather_full_weights()  # (collective under ZeRO-3, where rank 0 holds a partition)
+        return self._on_rank0(lambda r: r.calibrate.remote(rows), "calibrate")
 
     def export(self, dest: str, confidence_temperatures: list[float] | None, verifier: str | None) -> str:
         """Rank 0 writes the drafter (speculators format) to `dest`."""
-        self.call("gather_full_weights")
-        return self.on_rank0("export", dest, confidence_temperatures, verifier)
+        self._gather_full_weights()
+        return self._on_rank0(lambda r: r.export.remote(dest, confidence_temperatures, verifier), "export")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, tmp: Path, dest: Path, step: int, ledger_state: dict, meta: dict) -> Path:
         """Collective save into `tmp`, then rank 0 adds the drafter, ledger and meta and renames
         it to `dest`."""
         shutil.rmtree(tmp, ignore_errors=True)
-        rngs = self.call("anchor_rng")
-        self.call("save", str(tmp), step, rngs, what=f"saving the checkpoint of step {step}")
-        self.on_rank0("finalize_checkpoint", str(tmp), str(dest), ledger_state,
-                      {**meta, "time": time.time(), "world_size": self.size, "layout": self.layout()})
+        rngs = self._on_all(lambda r: r.anchor_rng.remote(), "anchor_rng")
+        self._on_all(lambda r: r.save.remote(str(tmp), step, rngs), f"saving the checkpoint of step {step}")
+        meta = {**meta, "time": time.time(), "world_size": self.size, "layout": self.layout()}
+        self._on_rank0(lambda r: r.finalize_checkpoint.remote(str(tmp), str(dest), ledger_state, meta),
+                       "finalize_checkpoint")
         return dest
 
+    def _gather_full_weights(self) -> None:
+        self._on_all(lambda r: r.gather_full_weights.remote(), "gather_full_weights")
+
+    def parameters_finite(self) -> bool:
+        """Every rank's weights (its ZeRO-3 partition) are finite."""
+        return all(self._on_all(lambda r: r.parameters_finite.remote(), "parameters_finite"))
+
+    # ---- rank 0's services to the job -----------------------------------------------------
+    def remove_keys(self, keys: list[str]) -> int:
+        """Drop samples from the store (rank 0 is a store client like any); how many were there."""
+        return self._on_rank0(lambda r: r.remove_keys.remote(keys), "remove_keys")
+
+    def read_drafter(self, drafter_dir: str) -> dict:
+        """A checkpointed drafter's config and vocab mapping, what `setup` rebuilds it from."""
+        return self._on_rank0(lambda r: r.read_drafter.remote(drafter_dir), "read_drafter")
+
+    def vocab_mapping(self, rows: list[dict], prompt_texts: list[str]) -> dict:
+        """The draft vocabulary counted on the stored samples of `rows` and the prompts' texts."""
+        return self._on_rank0(lambda r: r.vocab_mapping.remote(rows, prompt_texts), "vocab_mapping")
+
+    def reconnect_store(self) -> None:
+        """Every rank joins the store again (a new master generation)."""
+        self._on_all(lambda r: r.reconnect_store.remote(), "reconnect_store")

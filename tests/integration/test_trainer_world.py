@@ -241,7 +241,7 @@ def test_resized_world_goes_on_as_if_never_resized(zero_stage, ray_cluster, tiny
             if checkpoint is None:
                 assert world.setup(world_data["model_init"]) == 0
             else:
-                model_init = world.gang.on_rank0("read_drafter", str(checkpoint / "drafter"))
+                model_init = world.gang.read_drafter(str(checkpoint / "drafter"))
                 resized = json.loads((checkpoint / "meta.json").read_text())["world_size"] != ranks
                 assert resized and world.setup(model_init, checkpoint, resized) == step - 1
             world.step(step, world_data["steps"][step - 1])

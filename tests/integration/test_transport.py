@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cluster.data import SampleLedger
+from cluster.data import LedgerClient, SampleLedger
 from cluster.store import MooncakeMaster
 from cluster.store import NodeStore
 from cluster.data import ReplayActor, ReplaySettings
@@ -145,7 +145,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     rate = 40.0 if scenario in ("kill_producer", "restart_master", "restart_daemon") else 0.0
     settings = ReplaySettings(str(sample_dir), StoreConfig(**store), rate)
     producers = {f"r{i}": P.remote(settings, f"r{i}") for i in range(2)}
-    serving = {rid: p.serve.remote(ledger, 4) for rid, p in producers.items()}
+    serving = {rid: p.serve.remote(LedgerClient(ledger), 4) for rid, p in producers.items()}
     events = []
     seq = 2
 
@@ -163,7 +163,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
                     new = f"r{seq}"
                     seq += 1
                     producers[new] = P.remote(settings, new)
-                    serving[new] = producers[new].serve.remote(ledger, 4)
+                    serving[new] = producers[new].serve.remote(LedgerClient(ledger), 4)
 
     generation = ray.get(master.info.remote())["generation"]
     if scenario == "kill_consumer":
@@ -179,8 +179,8 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
         done, _ = ray.wait([run], timeout=0.2)
         supervise()
         counts = ray.get(ledger.counts.remote())
-        if not injected and counts["trained"] + counts["leased"] >= n_prompts // 3 and (
-                scenario != "restart_daemon" or counts["stored"] >= 3):
+        if not injected and counts.trained + counts.leased >= n_prompts // 3 and (
+                scenario != "restart_daemon" or counts.stored >= 3):
             injected = True
             if scenario == "kill_producer":
                 ray.kill(producers["r0"])
@@ -188,7 +188,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
                 ray.get(master.kill.remote())
             elif scenario == "restart_daemon":
                 ray.get(daemon.kill.remote())
-                events.append(("daemon_killed", counts["stored"]))
+                events.append(("daemon_killed", counts.stored))
         gen = ray.get(master.info.remote())["generation"]
         if gen > generation:  # the watcher restarted it: every store user reconnects
             generation = gen

@@ -133,7 +133,7 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
     assert ledger.drained() and ledger.done() and ledger.lease_step(step + 1, ["g0"], 10_000) is None
     assert ledger.request_prompts("r0", 10) == []
     proof = record.verify(ledger.outcome(), complete=True)  # the shortened plan, every sample once
-    assert proof["per_epoch"] == {"0": 4, "1": 4} and ledger.counts()["epochs"] == 2
+    assert proof["per_epoch"] == {"0": 4, "1": 4} and ledger.counts().epochs == 2
     state = ledger.state_dict()
     assert trained_outside(state, {f"p{i}" for i in range(4)}, 5) == []  # resumable under the full plan
     assert trained_outside(state, {f"p{i}" for i in range(4)}, 1) == [f"p{i}@1" for i in range(4)]

@@ -123,7 +123,7 @@ def test_backpressure_is_per_group():
     ledger = SampleLedger(prompts(10), watermarks={"g0": (3000, 1000), "g1": (3000, 1000)})
     _, res = produce(ledger, "r0", 3, random.Random(0), group="g0")
     ledger.report_produced("r0", res)
-    assert ledger.counts()["groups"]["g0"]["paused"] and ledger.request_prompts("r0", 5, "g0") == []
+    assert ledger.counts().groups["g0"].paused and ledger.request_prompts("r0", 5, "g0") == []
     assert len(ledger.request_prompts("r1", 2, "g1")) == 2  # g1's store memory is not g0's
 
 
@@ -132,10 +132,10 @@ def test_backpressure_hysteresis():
     rng = random.Random(0)
     _, res = produce(ledger, "r0", 3, rng)
     ledger.report_produced("r0", res)
-    assert ledger.counts()["paused"] and ledger.request_prompts("r0", 5) == []
+    assert ledger.counts().paused and ledger.request_prompts("r0", 5) == []
     ledger.lease_step(1, ["g0"], 10_000)
     ledger.commit(1)
-    assert not ledger.counts()["paused"] and len(ledger.request_prompts("r0", 2)) == 2
+    assert not ledger.counts().paused and len(ledger.request_prompts("r0", 2)) == 2
 
 
 def test_epoch_order_and_stale_reports():
@@ -201,7 +201,7 @@ def test_greedy_epochs_reuse_stored_samples():
     for step in range(1, 4):
         removed += ledger.commit(step)
     assert sorted(removed) == sorted(p["key"] for p in handed)  # dropped after the last epoch only
-    assert ledger.done() and ledger.counts()["trained"] == 9
+    assert ledger.done() and ledger.counts().trained == 9
 
 
 def test_later_epochs_wait_for_every_sample_of_the_current_one():
@@ -210,7 +210,7 @@ def test_later_epochs_wait_for_every_sample_of_the_current_one():
     ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in first])
     lease = ledger.lease_step(1, ["g0"], 1000)
     assert sorted(r["uid"] for r in lease[0]) == ["p0@0", "p1@0"]
-    assert ledger.counts()["to_generate"] == 4  # the rest of epoch 0; epoch 1 reuses it all
+    assert ledger.counts().to_generate == 4  # the rest of epoch 0; epoch 1 reuses it all
     assert ledger.queued_bytes() == 2  # leased p0@0 and stored p0@1 are one object in the store
     assert ledger.entries["p0@1"].state == STORED  # its next epoch reuses the sample...
     assert ledger.lease_step(2, ["g0"], 1000) is None  # ...but waits until epoch 0 is all leased
@@ -233,7 +233,7 @@ def test_a_full_store_lifts_the_epoch_wait():
     assert ledger.request_prompts("r0", 2) == []  # paused
     ledger.lease_step(1, ["g0"], 1000)
     ledger.commit(1)
-    assert ledger.counts()["paused"]  # epoch 1 still holds both samples
+    assert ledger.counts().paused  # epoch 1 still holds both samples
     lease = ledger.lease_step(2, ["g0"], 1000)
     assert sorted(r["uid"] for r in lease[0]) == ["p0@1", "p1@1"]
     assert sorted(ledger.commit(2)) == sorted(p["key"] for p in first)
@@ -244,11 +244,11 @@ def test_released_samples_leave_the_store_after_their_step_and_are_regenerated_o
     ledger = SampleLedger(prompts(4), watermarks={"g0": (3000, 1000)})
     _, res = produce(ledger, "r0", 3, random.Random(0))  # 3,000 bytes held: producers pause
     ledger.report_produced("r0", res)
-    assert ledger.counts()["paused"]
+    assert ledger.counts().paused
     leased = [r["uid"] for r in ledger.lease_step(1, ["g0"], 10_000)[0]]
     keys = ledger.release(1)  # trainer.release_samples=after_step
     assert sorted(keys) == sorted(ledger.entries[u].ref["key"] for u in leased) and ledger.queued_bytes() == 0
-    assert not ledger.counts()["paused"]  # the bytes are gone: producers go on before the checkpoint
+    assert not ledger.counts().paused  # the bytes are gone: producers go on before the checkpoint
     assert ledger.release(1) == []  # once
     ledger.trainer_restarted(0)  # the model went back before step 1: those samples must be generated again
     assert all(ledger.entries[u].state == PENDING for u in leased)

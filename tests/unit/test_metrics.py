@@ -47,14 +47,16 @@ def test_misuse_is_an_error():
 
 
 def test_eta_is_the_slower_of_generation_and_training():
+    from dataclasses import replace
+
+    from cluster.data import LedgerCounts
     from cluster.job import TrainingStats, eta
 
     # 10 steps took 20 s of training and trained 40 samples: 4 per step, 2 s per step.
     g = TrainingStats(step=10, train_s=20.0)
-    counts = {"trained": 30, "leased": 10, "total": 100, "to_generate": 10,
-              "produced_tokens": 2000, "produced_samples": 20}
+    counts = LedgerCounts(trained=30, leased=10, total=100, to_generate=10, produced_tokens=2000, produced_samples=20)
     # training: 60 samples left = 15 steps = 30 s; generation: 10 samples x 100 tokens at 50 tok/s = 20 s
     assert eta(g, counts, gen_rate=50.0) == pytest.approx(30.0)
     # a slower replica makes generation the bound: 1000 tokens at 10 tok/s
     assert eta(g, counts, gen_rate=10.0) == pytest.approx(100.0)
-    assert math.isnan(eta(TrainingStats(), {**counts, "trained": 0, "leased": 0}, 50.0))
+    assert math.isnan(eta(TrainingStats(), replace(counts, trained=0, leased=0), 50.0))

@@ -103,8 +103,7 @@ class StartFailure(Exception):
 def test_a_start_up_error_that_repeats_ends_the_group_at_once():
     from cluster.inference import Replica, ReplicaFailure, ReplicaPool
 
-    ledger = SimpleNamespace(replica_died=SimpleNamespace(remote=lambda rid, cause=None: 0),
-                             hung_replicas=SimpleNamespace(remote=lambda timeout: {}))
+    ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})  # a LedgerClient
     pool = ReplicaPool("g0", spec=None, ledger=ledger, services=None, role=None, run_name="t", placement_timeout_s=1,
                        max_restarts=5, backoff_s=0.0)
     same = "EngineStartError: vLLM engine did not start: a worker process failed to start: ValueError: bad arch"
