@@ -7,6 +7,7 @@
     scaling/    how capacity is laid out and moved: policy, autoscaler, placement, capacity plan
     job/        one config's whole run: the training job, its progress reporter
 
-config, errors, hardware, metrics and control sit at the top: every room uses them. A room
+config (its checks in config_checks), errors, hardware, metrics, control and waiting (the one
+wait helper) sit at the top: every room uses them. A room
 imports another room's public names from its `__init__`, never its modules.
 """

@@ -9,7 +9,6 @@ draft position of a DSpark drafter.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -388,7 +387,3 @@ class DSparkConfig(PretrainedConfig):
             verifier_architectures=verifier.get("architectures"),
             confidence_temperatures=d.get("confidence_temperatures"),
         )
-
-    @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | Path) -> "DSparkConfig":
-        return cls.from_speculators_dict(json.loads((Path(ckpt_dir) / "config.json").read_text()))

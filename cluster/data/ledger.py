@@ -288,9 +288,6 @@ class SampleLedger(GenerationSide, TrainingSide):
             return n + len(self._members[PENDING])
         return n + len(self._pending.get(0, {})) + len(self._orphans)
 
-    def done(self) -> bool:
-        return len(self._members[TRAINED]) + len(self._members[FAILED]) == len(self.entries)
-
     def drained(self) -> bool:
         """Nothing left to generate or store: what remains is leased or final."""
         return not (self._members[PENDING] or self._members[GENERATING] or self._members[STORED])

@@ -29,18 +29,14 @@ class GroupCounts(Totals):
 
 
 @dataclass(frozen=True)
-class LedgerCounts(Totals):
-    """Job-wide: samples per state, the store's queue, the plan; `groups` per group."""
+class LedgerCounts(GroupCounts):
+    """Job-wide: what a group's counts say, for all groups together, and samples per state, the
+    plan; `groups` per group."""
 
     pending: int = 0
-    generating: int = 0
-    stored: int = 0
-    leased: int = 0
     trained: int = 0
     failed: int = 0
     total: int = 0
-    queued_bytes: int = 0
-    paused: bool = False
     oldest_lease_s: float = 0.0
     epoch: int = 0
     epochs: int = 0

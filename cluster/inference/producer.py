@@ -34,9 +34,6 @@ class Producer:
     def stop(self) -> None:
         self._stopping = True
 
-    def ready(self) -> str:
-        return self.replica_id
-
     def stats(self) -> dict:
         t = dict(self.totals)
         secs = max(t["seconds"], 1e-9)

@@ -36,6 +36,7 @@ from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.errors import last_exception_line
 from cluster.inference.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+from cluster.waiting import wait_until
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
 CONNECTOR = "MooncakeHiddenStatesConnector"
@@ -324,13 +325,19 @@ class InferenceActor(Producer):
                 return os.path.exists(r.ref["path"])
             return self.store().exists(r.ref["key"])
 
-        deadline = time.monotonic() + s.flush_timeout_s
         waiting = [r for r in produced if not present(r)]
-        while waiting and time.monotonic() < deadline:
-            self.llm.llm_engine.step()
-            waiting = [r for r in waiting if not present(r)]
+
+        def flushed() -> bool:
+            nonlocal waiting
             if waiting:
-                time.sleep(0.01)
+                self.llm.llm_engine.step()
+                waiting = [r for r in waiting if not present(r)]
+            return not waiting
+
+        try:
+            wait_until(flushed, timeout_s=s.flush_timeout_s, interval_s=0.01, what="the hidden states to reach the store")
+        except TimeoutError:
+            pass  # what is still missing is reported below, per prompt
         for r in waiting:
             r.error, r.ref = "hidden states never reached the store", None
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from cluster.control import ResizeTrainer
 from cluster.job.checkpointing import checkpoint
 from cluster.training import TrainerFailure
+from cluster.waiting import wait_until
 
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
@@ -166,24 +166,27 @@ def fresh_model_init(job) -> dict:
     # instead of 16 draft-vocab ~94 % of held-out answer tokens instead of 92 %); waiting
     # costs little: epoch 0 can only be trained as it arrives.
     want = min(VOCAB_SAMPLES, len(job.train_prompts))
-    deadline = time.monotonic() + job.cfg.inference.first_samples_timeout_s
-    while True:
+    rows, counts = [], None
+
+    def stored_enough():
+        nonlocal rows, counts
         rows = job.ledger.peek_stored(want)
         counts = job.ledger.counts()
         # A full store (producers paused) or nothing left to generate: take what there is.
         if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
-            break
+            return True
         if not rows and counts.to_generate == 0 and not counts.generating:
             failed = job.ledger.outcome()["failed"]
             example = next(iter(failed.items()), ("-", ["?"]))
             raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
                                f"{example[1][-1] if example[1] else '?'}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(rows)} of the first {want} answers stored after "
-                               f"{job.cfg.inference.first_samples_timeout_s:.0f}s (inference.first_samples_timeout_s); "
-                               f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}")
-        supervise(job)
-        time.sleep(0.5)
+        supervise(job)  # replicas that die before the first answers are replaced meanwhile
+        return False
+
+    timeout = job.cfg.inference.first_samples_timeout_s
+    wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=lambda: TimeoutError(
+        f"{len(rows)} of the first {want} answers stored after {timeout:.0f}s (inference.first_samples_timeout_s); "
+        f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}"))
     texts = [m["content"] for c in job.train_prompts for m in c.prompt_messages]
     return job.gang.vocab_mapping(rows, texts)
 

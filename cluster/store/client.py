@@ -31,12 +31,12 @@ import ctypes
 import os
 import socket
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from cluster.store.wire import SampleRef, aligned, sample_from_buffer, sample_parts
+from cluster.waiting import wait_until
 from dspark.samples import CorruptSampleError, Sample
 
 # Reported to avoid a crash in the local memcpy fast path on TCP-only hosts.
@@ -75,15 +75,21 @@ class SampleMissing(StoreError):
 def put_with_retry(store: "HiddenStateStore", key: str, sample: Sample, timeout_s: float, stopping=lambda: False) -> tuple["SampleRef", int]:
     """Backpressure and transient faults are waits, never drops: retry until `timeout_s`.
     Returns the ref and how many times it had to wait."""
-    deadline, waits = time.monotonic() + timeout_s, 0
-    while True:
+    waits, last = 0, None
+
+    def put():
+        nonlocal waits, last
         try:
-            return store.put_sample(key, sample), waits
+            return store.put_sample(key, sample)
         except StoreError as e:
-            if e.code not in TRANSIENT or time.monotonic() > deadline or stopping():
+            if e.code not in TRANSIENT or stopping():
                 raise
-            waits += 1
-            time.sleep(min(0.02 * waits, 0.2))
+            waits, last = waits + 1, e
+            return None
+
+    ref = wait_until(put, timeout_s=timeout_s, interval_s=lambda n: min(0.02 * n, 0.2), what=f"a put of {key}",
+                     on_timeout=lambda: last)
+    return ref, waits
 
 
 class StoreUnavailable(RuntimeError):
@@ -159,18 +165,21 @@ class _Attachment:
     def _setup(self, timeout: float = 0.0):
         from mooncake.store import MooncakeDistributedStore
 
-        deadline = time.monotonic() + timeout
-        while True:
+        rc = None
+
+        def attached():
+            nonlocal rc
             rc = None
             if probe(self.address, 0.5):  # a setup against a daemon that is not up takes ~4 s to fail
                 client = MooncakeDistributedStore()
                 rc = client.setup_dummy(0, 16 << 20, self.address)
                 if rc == 0:
                     return client
-            if time.monotonic() > deadline:
-                raise StoreUnavailable(f"attaching to the store daemon {self.address} failed"
-                                       + (f" with {rc}" if rc is not None else ": it does not answer"))
-            time.sleep(0.2)
+            return None
+
+        return wait_until(attached, timeout_s=timeout, interval_s=0.2, what=f"the store daemon {self.address}",
+                          on_timeout=lambda: StoreUnavailable(f"attaching to the store daemon {self.address} failed"
+                                                              + (f" with {rc}" if rc is not None else ": it does not answer")))
 
     def renew(self, broken, timeout: float = 60.0) -> None:
         """Replace `broken` (unless another store already did)."""
@@ -219,11 +228,8 @@ class HiddenStateStore:
         cfg = self.config
         self.node_client = cfg.resolve_node_client()
         target, what = (self.node_client, "store daemon") if self.node_client else (cfg.master, "mooncake master")
-        deadline = time.monotonic() + timeout
-        while not probe(target):
-            if time.monotonic() > deadline:
-                raise StoreUnavailable(f"{what} {target} does not answer (waited {timeout:.0f}s)")
-            time.sleep(0.2)
+        wait_until(lambda: probe(target), timeout_s=timeout, interval_s=0.2, what=f"{what} {target}",
+                   on_timeout=lambda: StoreUnavailable(f"{what} {target} does not answer (waited {timeout:.0f}s)"))
         if self.node_client:
             self._attachment = _Attachment.acquire(self.node_client)
             self._client, self._lock = self._attachment.client, self._attachment.lock
@@ -271,9 +277,6 @@ class HiddenStateStore:
             self._client, self._read_buf, self._staging = self._attachment.client, None, None
         return self._client
 
-    def healthy(self) -> bool:
-        return (self._client is not None and (self.node_client or self._client.health_check() == 0)
-                and probe(self.node_client or self.config.master, 1.0))
 
     def _call(self, fn):
         """Run `fn(client)`; after a failure that a restart explains, renew the client once and
@@ -376,8 +379,6 @@ class HiddenStateStore:
                 out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=copy, key=self.key))  # ids, mask: copies
             return out
 
-    def get_sample(self, ref: SampleRef) -> Sample:
-        return self.get_samples([ref])[0]
 
     def remove(self, key: str) -> bool:
         """True if removed, False if it was not there.

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from cluster.store.client import probe
+from cluster.waiting import wait_until
 
 
 def _die_with_parent() -> None:
@@ -117,13 +118,15 @@ class SupervisedProcess:
                 log = open(self.log_dir / f"{self.name}.{self.generation + 1}.log", "ab")
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                           start_new_session=True, preexec_fn=_die_with_parent)
-            deadline = time.monotonic() + timeout
-            while not probe(self.address, 0.5):
+            def answering() -> bool:
+                if probe(self.address, 0.5):
+                    return True
                 if self._proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self._proc.returncode} at start")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} did not answer on {self.address} within {timeout}s")
-                time.sleep(0.1)
+                return False
+
+            wait_until(answering, timeout_s=timeout, interval_s=0.1, what=f"{self.name} on {self.address}",
+                       on_timeout=lambda: TimeoutError(f"{self.name} did not answer on {self.address} within {timeout}s"))
             self.generation += 1
             self.after_start()
 

@@ -75,7 +75,7 @@ def test_hidden_states_match_transformers(produced, smol_target):
     agree = []
     for r in out["mooncake"]:
         ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
-        s = holder.get_sample(ref)
+        s = holder.get_samples([ref])[0]
         assert s.num_tokens == r.prompt_tokens + len(r.response_ids) - 1  # the last token is never fed back
         assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
         ref_h = hidden_states_for(model, s.token_ids, layer_ids).float()
@@ -124,7 +124,7 @@ def test_loss_mask_is_exactly_the_assistant_text(produced, smol_target):
     _, tok = load_target(smol_target, torch.float32)
     for r, p in zip(out["mooncake"], PROMPTS):
         ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
-        s = holder.get_sample(ref)
+        s = holder.get_samples([ref])[0]
         earlier = "".join(m["content"] + tok.eos_token for m in p["messages"] if m["role"] == "assistant")
         expected = earlier + tok.decode(r.response_ids[:-1])
         assert tok.decode(s.token_ids[s.loss_mask]) == expected
@@ -137,7 +137,7 @@ def test_file_backend_writes_the_same_sample(produced):
     for f, m in zip(out["file"], out["mooncake"]):
         from_file = read_sample(f.ref["path"])
         ref = SampleRef(m.ref["key"], m.ref["num_tokens"], tuple(m.ref["layer_ids"]), m.ref["hidden_size"])
-        from_store = holder.get_sample(ref)
+        from_store = holder.get_samples([ref])[0]
         assert torch.equal(from_file.token_ids, from_store.token_ids)
         assert torch.equal(from_file.loss_mask, from_store.loss_mask)
         torch.testing.assert_close(from_file.hidden_states, from_store.hidden_states)

@@ -60,7 +60,7 @@ def test_tp2_replica_stores_the_rows_tp1_stores(tp_runs):
     for one, two in zip(out[1], out[2]):
         assert one.error is None and two.error is None, (one.error, two.error)
         assert two.response_ids == one.response_ids, one.prompt_id
-        a, b = (holder.get_sample(SampleRef.from_dict(r.ref)) for r in (one, two))
+        a, b = (holder.get_samples([SampleRef.from_dict(r.ref)])[0] for r in (one, two))
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
         cos = torch.nn.functional.cosine_similarity(a.hidden_states.float().flatten(1), b.hidden_states.float().flatten(1), dim=-1)
         worst = min(worst, cos.min().item())

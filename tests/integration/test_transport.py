@@ -88,7 +88,7 @@ class Consumer:
         from cluster.store import SampleRef
 
         try:
-            self.store.get_sample(SampleRef.from_dict(ref))
+            self.store.get_samples([SampleRef.from_dict(ref)])[0]
             return True
         except StoreError:
             return False

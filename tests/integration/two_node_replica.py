@@ -74,7 +74,7 @@ def main() -> dict:
             if a.error or b.error:
                 raise RuntimeError(f"replica failed: {a.error or b.error}")
             same_tokens &= a.response_ids == b.response_ids
-            x, y = (holder.get_sample(SampleRef.from_dict(r.ref)) for r in (a, b))
+            x, y = (holder.get_samples([SampleRef.from_dict(r.ref)])[0] for r in (a, b))
             cos = torch.nn.functional.cosine_similarity(x.hidden_states.float().flatten(1), y.hidden_states.float().flatten(1), dim=-1)
             worst = min(worst, cos.min().item())
         holder.close()

@@ -130,7 +130,7 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
     assert store  # epoch 2's samples (reused or generated) wait in the store
     store.difference_update(ledger.shorten(2))
     assert not store  # nothing any remaining entry needs is left behind
-    assert ledger.drained() and ledger.done() and ledger.lease_step(step + 1, ["g0"], 10_000) is None
+    assert ledger.drained() and not ledger.outcome()["unfinished"] and ledger.lease_step(step + 1, ["g0"], 10_000) is None
     assert ledger.request_prompts("r0", 10) == []
     proof = record.verify(ledger.outcome(), complete=True)  # the shortened plan, every sample once
     assert proof["per_epoch"] == {"0": 4, "1": 4} and ledger.counts().epochs == 2

@@ -57,7 +57,7 @@ def test_the_format_travels_with_the_drafter(tiny_target, template_file, tmp_pat
     drafter = make_drafter(tiny_target, block_size=4)
     drafter.config.chat_format = chat.record(tok)
     final = save_drafter(drafter, tmp_path / "final")
-    assert ChatFormat.from_record(DSparkConfig.from_checkpoint(final).chat_format) == chat
+    assert ChatFormat.from_record(DSparkConfig.from_speculators_dict(json.loads((final / "config.json").read_text())).chat_format) == chat
 
     write_recipe(final, {}, {})
     assert (final / CHAT_TEMPLATE_FILE).read_text() == TEMPLATE

@@ -50,7 +50,7 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         ledger.commit(step)
 
     for _ in range(2000):
-        if ledger.done():
+        if not ledger.outcome()["unfinished"]:
             break
         action = rng.random()
         replica = f"r{rng.randint(0, 2)}"
@@ -82,7 +82,7 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
             in_flight.clear()
         if ledger.drained() and not in_flight:  # drain at the end: nothing more to lease → checkpoint
             commit()
-    assert ledger.done(), ledger.counts()
+    assert not ledger.outcome()["unfinished"], ledger.counts()
     proof = record.verify(ledger.outcome())
     failed = proof["failed"]
     assert proof["per_epoch"] == {"0": 40 - sum(u.endswith("@0") for u in failed), "1": 40 - sum(u.endswith("@1") for u in failed)}
@@ -201,7 +201,7 @@ def test_greedy_epochs_reuse_stored_samples():
     for step in range(1, 4):
         removed += ledger.commit(step)
     assert sorted(removed) == sorted(p["key"] for p in handed)  # dropped after the last epoch only
-    assert ledger.done() and ledger.counts().trained == 9
+    assert not ledger.outcome()["unfinished"] and ledger.counts().trained == 9
 
 
 def test_later_epochs_wait_for_every_sample_of_the_current_one():
@@ -261,7 +261,7 @@ def test_commit_does_not_hand_back_released_keys():
     ledger.report_produced("r0", res)
     ledger.lease_step(1, ["g0"], 10_000)
     released = ledger.release(1)
-    assert len(released) == 2 and ledger.commit(1) == [] and ledger.done()
+    assert len(released) == 2 and ledger.commit(1) == [] and not ledger.outcome()["unfinished"]
 
 
 def test_no_rank_gets_more_than_its_budget():
