@@ -76,7 +76,7 @@ def restart_trainer(job, cause: Exception) -> None:
     The ledger gives back what was leased after it (re-read, or regenerated if released),
     the training record drops the rows it did not commit. A restart that fails itself counts
     as the next one."""
-    from cluster.scaling import place_all, release, trainer_specs
+    from cluster.scaling import place_all, trainer_specs
 
     layout = job.gang.layout()
     while True:
@@ -84,16 +84,11 @@ def restart_trainer(job, cause: Exception) -> None:
             raise RuntimeError(f"the trainer world failed {job.trainer_restarts + 1} times "
                                f"(trainer.max_restarts={job.cfg.trainer.max_restarts}); last: {cause}")
         job.trainer_restarts += 1
-        job.gang.stop()
-        release(job.trainer_pgs)
-        job.trainer_pgs = []
+        stop_world(job)
         try:
             job.services.check(force=True)  # a dead store daemon (what may have killed the ranks) first
             job.trainer_generation += 1
-            job.trainer_pgs = place_all(job.cfg, trainer_specs(job.cfg, layout, job.trainer_generation))
-            job.services.ensure_node_stores(job.trainer_pgs)
-            job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
-            job.gang.start(job.trainer_pgs)
+            start_world(job, place_all(job.cfg, trainer_specs(job.cfg, layout, job.trainer_generation)))
             ckpt = job.checkpoints.latest()
             returned = job.ledger.trainer_restarted(job.checkpoints.meta(ckpt)["step"] if ckpt else 0)
             job.record.rollback_to(job.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
@@ -120,8 +115,7 @@ def resize(job, request: ResizeTrainer) -> None:
         job.stats.resize_seq_handled = request.seq
         return
     ckpt = checkpoint(job)
-    job.gang.stop()
-    release(job.trainer_pgs)
+    stop_world(job)
     timeout = job.cfg.autoscaler.placement_timeout_s
     for layout in (want, old):
         job.trainer_generation += 1
@@ -136,10 +130,7 @@ def resize(job, request: ResizeTrainer) -> None:
                 raise
             job.events.append(f"trainer resize {old}->{want} not placed ({e}); staying at {old}")
             log.warning("%s", job.events[-1])
-    job.trainer_pgs = placed
-    job.services.ensure_node_stores(placed)
-    job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
-    job.gang.start(placed)
+    start_world(job, placed)
     resized = job.gang.size != sum(old.values())  # the old layout placed again keeps its optimizer state
     job.gang.setup(job.gang.read_drafter(str(ckpt / "drafter")), ckpt, resized)
     job.stats.ranks, job.stats.layout = job.gang.size, job.gang.layout()
@@ -148,6 +139,24 @@ def resize(job, request: ResizeTrainer) -> None:
     if job.gang.layout() != old:
         job.events.append(f"trainer resized {old}->{job.gang.layout()} at step {job.stats.step}")
         log.info("%s", job.events[-1])
+
+
+def stop_world(job) -> None:
+    """The trainer world's ranks stop and its placement groups are freed."""
+    from cluster.scaling import release
+
+    job.gang.stop()
+    release(job.trainer_pgs)
+    job.trainer_pgs = []
+
+
+def start_world(job, placed: list) -> None:
+    """A trainer world on the placement groups `placed`: the store daemons of their nodes
+    first (the ranks are store clients of them), then the ranks."""
+    job.trainer_pgs = placed
+    job.services.ensure_node_stores(placed)
+    job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
+    job.gang.start(placed)
 
 
 def begin(job) -> int:

@@ -39,6 +39,9 @@ from cluster.metrics import Metrics
 from cluster.training import CheckpointDir, EpochPlanner
 
 log = logging.getLogger("dspark.job")
+# The replica pools', the progress reporter's and the autoscaler's calls on the ledger (it answers
+# in milliseconds; the training loop's own calls wait LedgerClient's default).
+WATCHER_LEDGER_TIMEOUT_S = 30.0
 
 
 class TrainingJob:
@@ -132,8 +135,9 @@ class TrainingJob:
         self.gang = TrainerGang(trainer_settings(self), cfg.run_name, cpu_rank_env(self))
         self.gang.start(self.trainer_pgs)
         self.resume_from = restore_data_state(self)  # before any producer asks the ledger for prompts
+        watcher_ledger = self.ledger.with_timeout(WATCHER_LEDGER_TIMEOUT_S)
         for gi, g in enumerate(cfg.topology.groups):
-            pool = ReplicaPool(g.name, producer_spec(self, gi), self.ledger.with_timeout(30), self.services, replica_spec(cfg, gi),
+            pool = ReplicaPool(g.name, producer_spec(self, gi), watcher_ledger, self.services, replica_spec(cfg, gi),
                                cfg.run_name, cfg.autoscaler.placement_timeout_s, cfg.inference.max_replica_restarts,
                                cfg.inference.generation_timeout_s, cfg.inference.restart_backoff_s)
             for p in self.placed:
@@ -141,13 +145,13 @@ class TrainingJob:
                     pool.start(p)
             self.pools[g.name] = pool
         self.stats.ranks, self.stats.layout = self.gang.size, self.gang.layout()
-        self.reporter = ProgressReporter(self.metrics, self.ledger.with_timeout(30), self.pools, self.stats, self.services, self.wandb)
+        self.reporter = ProgressReporter(self.metrics, watcher_ledger, self.pools, self.stats, self.services, self.wandb)
         threading.Thread(target=self.reporter.loop, args=(self.stop_event, cfg.logging.progress_interval_s),
                          daemon=True, name="progress").start()
         if cfg.autoscaler.enabled:
             from cluster.scaling import AutoscaleLoop
 
-            self.autoscaler = AutoscaleLoop(cfg, self.pools, self.ledger.with_timeout(30), self.stats, self.control)
+            self.autoscaler = AutoscaleLoop(cfg, self.pools, watcher_ledger, self.stats, self.control)
             threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
 
     def check_resume_plan(self) -> None:
