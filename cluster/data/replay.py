@@ -62,7 +62,7 @@ class ReplayActor(Producer):
         return self.samples[h % len(self.samples)]
 
     def _put(self, key: str, sample) -> None:
-        _, waits = put_with_retry(self.store, key, sample, self.s.put_retry_s, lambda: self._stopping)
+        _, waits = put_with_retry(self.store, key, sample, self.s.put_retry_s, self._stopping.is_set)
         self.totals["full_waits"] += waits
 
     def produce(self, prompts: list[dict]) -> list[dict]:

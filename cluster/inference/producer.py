@@ -5,13 +5,13 @@ end): the loop idles."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 
 class Producer:
     def __init__(self, replica_id: str, group: str) -> None:
         self.replica_id, self.group = replica_id, group
-        self._stopping = False
+        self._stopping = threading.Event()  # set by stop(): an idle producer ends at once
         self.totals = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "failed": 0}
 
     def produce(self, prompts: list[dict]) -> list[dict]:
@@ -23,16 +23,16 @@ class Producer:
         # The flag is not reset here: `stop` may run before this starts (a replica replaced just
         # as the job ends gets both calls queued, and a threaded actor runs them in any order);
         # resetting it would serve until the pool's drain deadline.
-        while not self._stopping:
+        while not self._stopping.is_set():
             prompts = ledger.request_prompts(self.replica_id, batch_size, self.group)
             if not prompts:
-                time.sleep(idle_s)
+                self._stopping.wait(idle_s)  # backpressure (or the end): ask again after idle_s
                 continue
             ledger.report_produced(self.replica_id, self.produce(prompts))
         return self.stats()
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
 
     def stats(self) -> dict:
         t = dict(self.totals)

@@ -56,7 +56,7 @@ class MooncakeMaster(SupervisedProcess):
             segment_bytes=self.segment_bytes, buffer_bytes=16 << 20)).connect()
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         if self._holder is not None:
             self._holder.close()
             self._holder = None

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from cluster.store.client import probe
@@ -68,7 +67,7 @@ class SupervisedProcess:
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._stopping = False
+        self._stopping = threading.Event()  # set by stop(): ends the watcher at once, not after its interval
         self._watch_interval_s = watch_interval_s
 
     def command(self) -> list[str]:
@@ -131,14 +130,13 @@ class SupervisedProcess:
             self.after_start()
 
     def _watch(self) -> None:
-        while not self._stopping:
-            time.sleep(self._watch_interval_s)
-            if not self._stopping and not self.alive():
+        while not self._stopping.wait(self._watch_interval_s):
+            if not self.alive():
                 try:
                     self.restarts += 1
                     self.start()
                 except (RuntimeError, TimeoutError):
-                    time.sleep(1.0)  # the port may still be in TIME_WAIT; try again next round
+                    self._stopping.wait(1.0)  # the port may still be in TIME_WAIT; try again next round
 
     def kill(self) -> None:
         """Kill the process as a crash would (the watcher restarts it)."""
@@ -147,7 +145,7 @@ class SupervisedProcess:
             self._proc.wait()
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
