@@ -35,7 +35,8 @@ from cluster.config import DrafterConfig, TrainerConfig
 from cluster.store import MooncakeMaster
 from cluster.scaling import RoleSpec, place, release
 from cluster.store import HiddenStateStore, StoreConfig
-from cluster.training import TrainerRank, TrainerSettings, vocab_mapping_from
+from cluster.training import TrainerSettings, vocab_mapping_from
+from cluster.training import drafter_config as rank_drafter_config
 from cluster.training import TrainerGang
 from dspark.samples import Sample
 
@@ -111,7 +112,7 @@ def reference_weights(tiny_target, data, steps: int) -> dict[str, torch.Tensor]:
 
     s = settings_for(tiny_target, data, 2)
     d, t = s.drafter, s.trainer
-    cfg = TrainerRank(0, 1, "reference", s)._config(data["model_init"])  # the ranks' own config builder
+    cfg = rank_drafter_config(s, data["model_init"])  # the ranks' own config builder
     torch.manual_seed(t.seed)
     model = DSparkDrafter(cfg)
     model.load_target_weights(s.target_path)
