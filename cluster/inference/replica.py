@@ -369,6 +369,3 @@ class HeadlessEngineWorker:
         set_cpu_engine_env(settings)
         config = EngineArgs(**engine_kwargs(settings)).create_engine_config(headless=True)
         self.executor = MultiprocExecutor(config, monitor_workers=False)
-
-    def alive(self) -> bool:
-        return not getattr(self.executor, "is_failed", False)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_served_eval import fake_vllm  # noqa: F401 - a fixture, shared
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -54,26 +56,18 @@ def test_two_sample_chi_square(gpu_check):
     assert gpu_check.two_sample_chi_square(sample(weights, 3000), sample(shifted, 3000))[2] < 1e-3
 
 
-def test_served_recipe_dry_run(gpu_check, monkeypatch, tmp_path):
-    import vllm
-
-    import dspark.chat
+def test_served_recipe_dry_run(gpu_check, fake_vllm):
+    """The served evaluation's own stand-in vLLM and drafter checkpoint (tests/unit/test_served_eval.py)."""
     from tests.unit.test_served_eval import FakeLLM
 
-    FakeLLM.engines = []
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    monkeypatch.setattr(dspark.chat, "render_prompt", lambda tok, messages, chat: [1, 2, 3])
-    cfg = {"speculators_model_type": "dspark", "block_size": 8, "draft_vocab_size": 4000,
-           "transformer_layer_config": {"vocab_size": 49152},
-           "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}], "verifier": {"name_or_path": "t"}}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    ok, detail = gpu_check.check_served_recipe("target", str(tmp_path), tmp_path, samples=50)
+    ok, detail = gpu_check.check_served_recipe("target", str(fake_vllm), fake_vllm, samples=50)
     assert ok, detail
     spec_engines = [e for e in FakeLLM.engines if "speculative_config" in e.kwargs]
     assert all(e.kwargs["speculative_config"]["rejection_sample_method"] == "block" for e in spec_engines)
     assert len(FakeLLM.engines) == 4 and all(e.closed for e in FakeLLM.engines)  # one engine on the GPU at a time
     assert FakeLLM.engines[2].calls == [[(0.8, i) for i in range(50)]]  # sampled, seeded per request
+    cfg = json.loads((fake_vllm / "config.json").read_text())
     cfg["speculators_model_type"] = "dflash"
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    ok, detail = gpu_check.check_served_recipe("target", str(tmp_path), tmp_path, samples=50)
+    (fake_vllm / "config.json").write_text(json.dumps(cfg))
+    ok, detail = gpu_check.check_served_recipe("target", str(fake_vllm), fake_vllm, samples=50)
     assert not ok and "not the one users are told to serve" in detail
