@@ -52,6 +52,7 @@ def main() -> None:
 
     from dataclasses import replace
 
+    from cluster.config import SamplingConfig, TargetConfig
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.store import MooncakeMaster
     from cluster.store import HiddenStateStore, StoreConfig
@@ -66,8 +67,8 @@ def main() -> None:
     holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
     files = Path(tempfile.mkdtemp(prefix="dspark-hs-"))
     convs = conversations(args.conversations)
-    base = InferenceSettings(target_path=str(target), layer_ids=layer_ids, key_prefix="bench/g0", max_tokens=1,
-                             max_model_len=2048, store=StoreConfig(master=master.address))
+    base = InferenceSettings(TargetConfig(path=str(target), max_model_len=2048, enforce_eager=True), layer_ids,
+                             "bench/g0", sampling=SamplingConfig(max_tokens=1), store=StoreConfig(master=master.address))
     variants = {
         "vLLM prefill alone": replace(base, extract=False),
         "Mooncake connector": base,

@@ -78,9 +78,8 @@ def main() -> None:
     master = MooncakeMaster()
     holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
     work = prompts(args.prompts)
-    base = InferenceSettings(target_path=str(target), layer_ids=layer_ids, key_prefix="bench/g0", dtype=t.dtype,
-                             max_tokens=args.max_tokens, max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs,
-                             cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, enforce_eager=t.enforce_eager,
+    base = InferenceSettings(replace(t, path=str(target)), layer_ids, "bench/g0",
+                             sampling=replace(cfg.sampling, max_tokens=args.max_tokens),
                              store=StoreConfig(master=master.address))
     replica_cpus = cfg.topology.groups[0].cpus_per_replica
     rows = []

@@ -229,6 +229,11 @@ class TrainerConfig:
     # No sample stored for this long while some are in generation and none can be leased: the
     # trainer commits early (the puts may be waiting for room its uncommitted samples hold).
     stall_commit_s: float = ranged(30.0, POSITIVE)
+    # Nothing to lease while samples remain for this long, counted from the trainer's last step or
+    # the last sample stored, whichever is later: the job stops and says where the samples are.
+    # (A replica that hangs is caught sooner, by inference.generation_timeout_s; this is the wait
+    # of last resort: no replica placed, a store that takes nothing, a group that never starts.)
+    data_timeout_s: float = ranged(3600.0, POSITIVE)
     # Fault injection (tests): rank 0's loss is NaN at these steps, once per listing ([4, 4]:
     # the first two tries of step 4).
     fault_nonfinite_steps: list[int] = field(default_factory=list)

@@ -135,6 +135,7 @@ def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 30
     distribution. fp32, so that greedy equality is not at the mercy of bf16 near-ties."""
     from vllm import LLM, SamplingParams
 
+    from cluster.config import TargetConfig
     from cluster.inference import InferenceSettings, engine_kwargs
     from cluster.inference.served_eval import ServedEvalSettings, ServedEvaluator, _close, decode_stats
     from dspark.chat import render_prompt
@@ -144,8 +145,8 @@ def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 30
     if (spec["method"], spec["draft_sample_method"], spec["rejection_sample_method"]) != ("dspark", "probabilistic", "block"):
         return False, f"the recipe is not the one users are told to serve: {spec}"
     prompts = [json.loads(line) for line in heldout_file(work).read_text().splitlines()][:16]
-    engine = InferenceSettings(target_path=target, layer_ids=[], key_prefix="gpu-check/eval", device="cuda",
-                               dtype="float32", max_model_len=1024, gpu_memory_utilization=0.4, extract=False)
+    engine = InferenceSettings(TargetConfig(path=target, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.4,
+                                            enforce_eager=True), [], "gpu-check/eval", device="cuda", extract=False)
     ev = ServedEvaluator(ServedEvalSettings(engine, drafter, "dspark", 64, check_lossless=True))
     greedy = ev.evaluate(prompts)
     tokenizer = ev.tokenizer
@@ -186,6 +187,7 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
     local Ray is started here, the job's driver has one)."""
     import torch
 
+    from cluster.config import SamplingConfig, TargetConfig
     from cluster.inference import InferenceActor, InferenceSettings
     from dspark.config import DSparkConfig
     from dspark.samples import read_sample
@@ -198,11 +200,11 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
         import ray
 
         ray.init(address="local", num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    actor = InferenceActor(InferenceSettings(target_path=target, layer_ids=layer_ids, key_prefix="gpu-check/g0",
-                                             backend="file", file_dir=str(files), device="cuda", dtype="bfloat16",
-                                             max_model_len=1024, max_tokens=48, gpu_memory_utilization=0.4,
-                                             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp,
-                                             enforce_eager=False))  # the capture under CUDA graphs
+    target_cfg = TargetConfig(path=target, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.4,
+                              kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp,
+                              enforce_eager=False)  # the capture under CUDA graphs
+    actor = InferenceActor(InferenceSettings(target_cfg, layer_ids, "gpu-check/g0", sampling=SamplingConfig(max_tokens=48),
+                                             backend="file", file_dir=str(files), device="cuda"))
     produced = actor.process([{"id": f"p{i}", "messages": m} for i, m in enumerate(PROMPTS)])
     del actor
     errors = [r.error for r in produced if r.error]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.config import TargetConfig
 from dspark.config import DSparkConfig
 from dspark.model import DSparkDrafter
 from dspark.samples import PackedBatch
@@ -21,6 +22,12 @@ PERSONA_TEMPLATE = (
 # Pinned in the replay-backend job tests (faults, autoscaler): what they judge does not depend on
 # the local default's warm start, its split of threads or its extra evaluation sets.
 REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2"]
+
+
+def eager_target(path, **fields) -> TargetConfig:
+    """The target section of an engine a test starts: eager, for a start in seconds (no graph
+    compilation; ../shared/ENVIRONMENT.md), the config's defaults otherwise."""
+    return TargetConfig(path=str(path), enforce_eager=True, **fields)
 
 
 def make_drafter(target_dir, seed: int = 0, **settings) -> DSparkDrafter:

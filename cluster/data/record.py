@@ -32,12 +32,13 @@ class TrainingRecord:
         self.path = Path(path)
         self.pending: list[dict] = []  # trained, not yet committed
 
-    def add(self, step: int, rank: int, group: str, rows: list[dict]) -> None:
-        """`rows`: {"uid", "source"} per sample rank `rank` trained at `step`."""
-        for r in rows:
-            prompt, _, epoch = r["uid"].rpartition("@")
-            self.pending.append({"uid": r["uid"], "prompt": prompt, "epoch": int(epoch), "step": step, "rank": rank,
-                                 "group": group, "source": r.get("source")})
+    def add(self, step: int, rank: int, group: str, trained) -> None:
+        """`trained`: the samples (`uid`, `source`: cluster.training.TrainedSample) rank `rank`
+        trained at `step`."""
+        for t in trained:
+            prompt, _, epoch = t.uid.rpartition("@")
+            self.pending.append({"uid": t.uid, "prompt": prompt, "epoch": int(epoch), "step": step, "rank": rank,
+                                 "group": group, "source": t.source})
 
     def commit(self, step: int) -> int:
         """Append the rows of steps <= `step` (durably); returns the committed line count."""

@@ -54,9 +54,6 @@ class ReplayActor(Producer):
                 while True:
                     time.sleep(3600)
 
-    def reconnect_store(self) -> None:
-        self.store.reconnect()
-
     def _sample_for(self, prompt_id: str):
         h = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:4], "big")
         return self.samples[h % len(self.samples)]

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from cluster.config import SamplingConfig, TargetConfig
 from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.errors import last_exception_line
 from cluster.inference.producer import Producer
@@ -46,27 +47,19 @@ CONNECTOR_MODULE = "cluster.store.hidden_states_connector"
 
 @dataclass
 class InferenceSettings:
-    target_path: str
+    """A replica's settings: the config's own `target` and `sampling` sections (not copies of
+    their fields, whose defaults drifted apart), with `target.path` the resolved checkpoint
+    directory, and what the job derives for this replica."""
+
+    target: TargetConfig  # path: the checkpoint directory the engine loads (resolved by the job)
     layer_ids: list[int]  # aux layers then the final pre-norm layer, speculators indexing
     key_prefix: str  # run/group
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     backend: str = "mooncake"  # mooncake | file
     file_dir: str = "/tmp/dspark-hidden-states"
     device: str = "cpu"
-    dtype: str = "bfloat16"
-    tensor_parallel_size: int = 1
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    kv_cache_dtype: str = "auto"
-    kv_cache_blocks: int | None = None  # a fixed KV cache of this many blocks; None: sized from memory
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.85
-    cpu_kvcache_space_gb: int = 2
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 256
     extract: bool = True  # False: a plain engine (reference generations in tests)
-    trust_remote_code: bool = False  # target.trust_remote_code
     chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
     flush_timeout_s: float = 60.0
     cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
@@ -139,29 +132,30 @@ def omp_bind_per_rank(cores: list[int], tensor_parallel_size: int, threads: int 
 
 
 def engine_kwargs(s: InferenceSettings) -> dict:
+    t = s.target
     kwargs = dict(
-        model=s.target_path, dtype=s.dtype, max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
-        enforce_eager=s.enforce_eager, tensor_parallel_size=s.tensor_parallel_size, kv_cache_dtype=s.kv_cache_dtype,
-        seed=0, trust_remote_code=s.trust_remote_code,
+        model=t.path, dtype=t.dtype, max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs,
+        enforce_eager=t.enforce_eager, tensor_parallel_size=t.tensor_parallel_size, kv_cache_dtype=t.kv_cache_dtype,
+        seed=0, trust_remote_code=t.trust_remote_code,
     )
     if s.span is not None:
         kwargs.update(nnodes=s.span.nnodes, node_rank=s.span.node_rank, master_addr=s.span.master_addr,
                       master_port=s.span.master_port)
-    if s.kv_cache_blocks is not None:
-        kwargs.update(num_gpu_blocks_override=s.kv_cache_blocks)
-    if backend := executor_backend(s.device, s.tensor_parallel_size):
+    if t.kv_cache_blocks is not None:
+        kwargs.update(num_gpu_blocks_override=t.kv_cache_blocks)
+    if backend := executor_backend(s.device, t.tensor_parallel_size):
         kwargs.update(distributed_executor_backend=backend)
-    if s.device == "cpu" and s.dtype != "bfloat16" and uses_mla(s.target_path):
+    if s.device == "cpu" and t.dtype != "bfloat16" and uses_mla(t.path):
         # On a CPU with AMX, vLLM serves multi-head latent attention with its AMX backend, which
         # takes bf16 weights only ("expect weight to be bfloat16, float16, int8, ..." at load);
         # its reference CPU backend runs every dtype (and is what non-AMX CPUs get anyway).
         kwargs.update(attention_backend="CPU_MLA")
     if s.device == "cuda":
-        kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization)
+        kwargs.update(gpu_memory_utilization=t.gpu_memory_utilization)
     if s.extract:
         # the target's class with a hidden-state cache (cluster.inference.capture_model): a plain engine
-        in_process = executor_backend(s.device, s.tensor_parallel_size) is None and s.device == "cpu"
-        kwargs.update(capture_engine_kwargs(s.target_path, s.trust_remote_code, s.layer_ids, in_process=in_process))
+        in_process = executor_backend(s.device, t.tensor_parallel_size) is None and s.device == "cpu"
+        kwargs.update(capture_engine_kwargs(t.path, t.trust_remote_code, s.layer_ids, in_process=in_process))
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -179,9 +173,10 @@ def engine_kwargs(s: InferenceSettings) -> dict:
 def set_cpu_engine_env(s: InferenceSettings) -> None:
     """The environment vLLM's CPU engine reads in this process and its workers: the KV cache's
     GiB per rank, and with TP a core set per rank of this node (its share of the ranks)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.cpu_kvcache_space_gb))
-    local_ranks = s.tensor_parallel_size // (s.span.nnodes if s.span else 1)
-    if s.tensor_parallel_size > 1:
+    tp = s.target.tensor_parallel_size
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.target.cpu_kvcache_space_gb))
+    local_ranks = tp // (s.span.nnodes if s.span else 1)
+    if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(list(os.sched_getaffinity(0)), local_ranks,
                                                                    s.cpu_threads)
 
@@ -268,7 +263,8 @@ class InferenceActor(Producer):
         extra = None
         if s.extract:
             extra = {"kv_transfer_params": {"include_output_tokens": True, "dspark": {"key": key, "assistant_spans": spans}}}
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, extra_args=extra)
+        return SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p,
+                              max_tokens=s.sampling.max_tokens, extra_args=extra)
 
     def process(self, prompts: list[dict]) -> list[Produced]:
         """Regenerate and extract a batch: `prompts` are {"id", "messages", optional "key"} dicts
@@ -282,8 +278,8 @@ class InferenceActor(Producer):
         for p in prompts:
             try:
                 ids, spans = render_prompt_with_spans(self.tokenizer, p["messages"], s.chat)
-                if len(ids) >= s.max_model_len - 1:
-                    raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={s.max_model_len}")
+                if len(ids) >= s.target.max_model_len - 1:
+                    raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={s.target.max_model_len}")
                 ready.append((p["id"], ids, spans))
             except (ValueError, KeyError, TypeError) as e:
                 results[p["id"]] = Produced(p["id"], error=f"render: {e}")

@@ -75,7 +75,9 @@ def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | 
 def spans_nodes(settings, placed: Placed) -> bool:
     """Whether a replica's engine is vLLM's multi-node multiprocessing executor: a CPU engine
     whose placement group spans nodes (GPU engines span them with vLLM's Ray executor)."""
-    return getattr(settings, "device", None) == "cpu" and placed.spec.nodes > 1
+    from cluster.inference.replica import InferenceSettings
+
+    return isinstance(settings, InferenceSettings) and settings.device == "cpu" and placed.spec.nodes > 1
 
 
 def leader_port(placed: Placed, timeout_s: float = 60.0) -> tuple[str, int]:
@@ -103,9 +105,10 @@ def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict |
     Returns (the engine actor, the headless workers)."""
     import ray
 
-    from cluster.inference.replica import EngineSpan, HeadlessEngineWorker
+    from cluster.inference.replica import EngineSpan, HeadlessEngineWorker, InferenceSettings
 
-    tp = getattr(settings, "tensor_parallel_size", 1)
+    # (a replay producer is one process: no engine, no ranks)
+    tp = settings.target.tensor_parallel_size if isinstance(settings, InferenceSettings) else 1
     helpers = []
     if spans_nodes(settings, placed):
         addr, port = leader_port(placed)

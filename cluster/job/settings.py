@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from cluster.hardware import cpu_process_env
 
@@ -43,14 +44,11 @@ def inference_settings(job, group: str):
     from cluster.inference import InferenceSettings
     from cluster.store import StoreConfig
 
-    c, t = job.cfg, job.cfg.target
+    c = job.cfg
     return InferenceSettings(
-        target_path=job.target_path, layer_ids=job.layer_ids, key_prefix=f"{c.run_name}/{group}",
-        store=StoreConfig(), device=c.device, dtype=t.dtype, tensor_parallel_size=t.tensor_parallel_size,
-        max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs, kv_cache_dtype=t.kv_cache_dtype,
-        kv_cache_blocks=t.kv_cache_blocks, cpu_threads=c.inference.cpu_threads, enforce_eager=t.enforce_eager, gpu_memory_utilization=t.gpu_memory_utilization,
-        cpu_kvcache_space_gb=t.cpu_kvcache_space_gb, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
-        max_tokens=c.sampling.max_tokens, trust_remote_code=t.trust_remote_code, chat=job.target.chat)
+        target=replace(c.target, path=job.target_path), layer_ids=job.layer_ids, key_prefix=f"{c.run_name}/{group}",
+        sampling=c.sampling, store=StoreConfig(), device=c.device, cpu_threads=c.inference.cpu_threads,
+        chat=job.target.chat)
 
 
 def trainer_settings(job):

@@ -74,6 +74,7 @@ class TrainingJob:
         self.horizon_epochs: int | None = None  # the epochs the LR horizon was last measured for (cluster.training.budget)
         self.trained_until_s: float | None = None  # when training ended, from the job's start
         self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
+        self.waiting_since: float | None = None  # the first of the current run of steps without data
         self.wandb = None
     def prepare(self) -> None:
         from cluster.inference import read_target

@@ -125,7 +125,7 @@ class TrainerGang:
         refs = [r.fetch.remote(step, rows) for r, rows in zip(self.ranks, lease)]
         return {uid: why for bad in self._wait(refs, f"reading step {step}") for uid, why in bad.items()}
 
-    def train_step(self, step: int, lease: list[list[dict]]) -> list[dict]:
+    def train_step(self, step: int, lease: list[list[dict]]) -> list[StepResult]:
         """One update of the world on `lease` (already fetched): the ranks weight their losses by
         the world's token count themselves, so ranks without data need no special case."""
         return self._wait([r.train_step.remote(step) for r in self.ranks], f"step {step}")

@@ -231,9 +231,9 @@ class TrainerRank:
             self.batch_rows = rows
         return bad
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step in lockstep with the other ranks. Returns the metrics and, under
-        `trained`, the samples this rank trained on (for the exactly-once record).
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step in lockstep with the other ranks. Returns its figures and the
+        samples this rank trained on (for the exactly-once record).
 
         The update is that of one batch made of every rank's samples, whatever their split:
         each loss term is a sum over this rank's slots divided by the world's count of slots over
@@ -275,15 +275,15 @@ class TrainerRank:
             self.engine.step()
         if self.s.trainer.throttle_s:
             time.sleep(self.s.trainer.throttle_s)
-        metrics.update(
-            step=step, rank=self.rank, tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
-            lr=self.scheduler.get_last_lr()[0] if self.scheduler else None, step_s=time.perf_counter() - t0,
-            skipped=skipped, nonfinite=nonfinite,
-            trained=[] if skipped else [{"uid": r["uid"], "source": r.get("group")} for r in self.batch_rows],
+        result = StepResult(
+            step=step, rank=self.rank, skipped=skipped, nonfinite=nonfinite,
+            tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
+            step_s=time.perf_counter() - t0, lr=self.scheduler.get_last_lr()[0] if self.scheduler else None,
             batch=[r["uid"] for r in self.batch_rows],
-        )
+            trained=[] if skipped else [TrainedSample(r["uid"], r.get("group")) for r in self.batch_rows],
+            figures=metrics)
         self.batch, self.batch_rows = None, []
-        return metrics
+        return result
 
     def idle_loss(self, share_counts) -> torch.Tensor:
         """A zero loss for a rank with nothing to train this step that still takes part in every

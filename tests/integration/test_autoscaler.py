@@ -24,9 +24,8 @@ def run(tmp_path, replay_dir, name, overrides):
             "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=3",
             "transport.segment_mb=64", "topology.groups.0.max_replicas=2", "data.epochs=1", *REPLAY_JOB_PINS]
     cfg = load_config("configs/local.yaml", base + overrides)
-    job = TrainingJob(cfg)
-    result = job.run()
-    return result, job.autoscaler.decisions()
+    result = TrainingJob(cfg).run()
+    return result, result["autoscaler"]
 
 
 def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):

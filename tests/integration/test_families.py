@@ -28,7 +28,7 @@ import json
 import pytest
 import torch
 
-from cluster.config import ROOT, ConfigError, load_config
+from cluster.config import ROOT, ConfigError, SamplingConfig, load_config
 from cluster.inference import InferenceActor, InferenceSettings
 from dspark.chat import render_prompt
 from dspark.checkpoint import save_drafter
@@ -40,7 +40,7 @@ from dspark.samples import Sample, pack, read_sample
 from dspark.targets import hidden_states_for, load_target
 from dspark.training import DrafterObjective
 from tests.families import FAMILIES, build_family_target
-from tests.helpers import reference_outputs
+from tests.helpers import eager_target, reference_outputs
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +59,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def extract_with_vllm(ray, target, layer_ids, out_dir, extract: bool):
-    settings = InferenceSettings(target_path=str(target), layer_ids=layer_ids, key_prefix="fam/g0", backend="file",
-                                 file_dir=str(out_dir), dtype="float32", max_tokens=MAX_TOKENS, max_model_len=512,
+    settings = InferenceSettings(eager_target(target, dtype="float32", max_model_len=512), layer_ids, "fam/g0",
+                                 sampling=SamplingConfig(max_tokens=MAX_TOKENS), backend="file", file_dir=str(out_dir),
                                  extract=extract)
     actor = ray.remote(num_cpus=1)(InferenceActor).remote(settings)
     try:

@@ -11,12 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cluster.config import SamplingConfig
 from cluster.inference import InferenceActor, InferenceSettings
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from dspark.config import DSparkConfig
 from dspark.model import find_target_tensors
 from dspark.samples import read_sample
 from dspark.targets import hidden_states_for, load_target
+from tests.helpers import eager_target
 
 pytestmark = pytest.mark.integration
 # vLLM's CPU attention keeps an fp8 KV cache only with AVX-512 or AMX (its own test, in
@@ -39,8 +41,8 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
     ray = ray_cluster
     holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=256 << 20)).connect()
     layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
-    base = InferenceSettings(target_path=str(smol_target), layer_ids=layer_ids, key_prefix="test/g0", max_tokens=40,
-                             store=StoreConfig(master=mooncake_master.address), max_model_len=1024)
+    base = InferenceSettings(eager_target(smol_target, max_model_len=1024), layer_ids, "test/g0",
+                             sampling=SamplingConfig(max_tokens=40), store=StoreConfig(master=mooncake_master.address))
     Actor = ray.remote(num_cpus=1)(InferenceActor)
     file_dir = tmp_path_factory.mktemp("hs_files")
     actors = {
@@ -51,7 +53,8 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
     if FP8_KV_ON_THIS_CPU:
         # The production config's fp8 KV cache (configs/kimi_k3.yaml): vLLM's cache-only layer
         # refuses a quantized cache dtype unless the capture model gives it the model's own.
-        actors["fp8_kv"] = Actor.remote(replace(base, backend="file", file_dir=str(file_dir / "fp8"), kv_cache_dtype="fp8"))
+        actors["fp8_kv"] = Actor.remote(replace(base, backend="file", file_dir=str(file_dir / "fp8"),
+                                                   target=replace(base.target, kv_cache_dtype="fp8")))
     out = {name: ray.get(a.process.remote(PROMPTS)) for name, a in actors.items()}
     stats = ray.get(actors["mooncake"].stats.remote())
     for a in actors.values():

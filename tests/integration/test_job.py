@@ -15,7 +15,7 @@ import pytest
 
 from cluster.config import load_config
 from dspark import evaluate
-from tests.helpers import untrained_copy
+from tests.helpers import eager_target, untrained_copy
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
 
     backbone = export_dflash_backbone(load_drafter(result["drafter"], smol_target), tmp_path / "dflash")
     held = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()][:2]
-    engine = InferenceSettings(target_path=str(smol_target), layer_ids=[], key_prefix="eval", dtype="float32")
+    engine = InferenceSettings(eager_target(smol_target, dtype="float32"), [], "eval")
     evaluator = ray.remote(ServedEvaluator).remote(ServedEvalSettings(engine, str(backbone), "dflash", 24))
     served_ev = ray.get(evaluator.evaluate.remote(held), timeout=600)
     ray.kill(evaluator)

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from cluster.config import ROOT, ConfigError, load_config
+from cluster.config import ROOT, ConfigError, SamplingConfig, load_config
 from cluster.inference import InferenceActor, InferenceSettings
 from cluster.inference import read_target
 from dspark import evaluate
@@ -29,7 +29,7 @@ from dspark.recipe import write_recipe
 from dspark.samples import read_sample
 from dspark.targets import hidden_states_for, load_target, load_target_config
 from tests.families import build_remote_code_target
-from tests.helpers import PERSONA_TEMPLATE
+from tests.helpers import PERSONA_TEMPLATE, eager_target
 
 pytestmark = pytest.mark.integration
 
@@ -71,9 +71,9 @@ def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_p
     # vLLM runs the unknown architecture (Transformers backend) and extracts its states; the
     # replica renders the prompt with the configured chat format.
     chat = ChatFormat(PERSONA_TEMPLATE, {"persona": "You are terse."})
-    settings = InferenceSettings(target_path=str(remote_target), layer_ids=dcfg.extract_layer_ids, key_prefix="remote/g0",
-                                 backend="file", file_dir=str(tmp_path / "hs"), dtype="float32", max_tokens=16,
-                                 max_model_len=512, trust_remote_code=True, chat=chat)
+    settings = InferenceSettings(eager_target(remote_target, dtype="float32", max_model_len=512, trust_remote_code=True),
+                                 dcfg.extract_layer_ids, "remote/g0", sampling=SamplingConfig(max_tokens=16),
+                                 backend="file", file_dir=str(tmp_path / "hs"), chat=chat)
     actor = ray.remote(num_cpus=1)(InferenceActor).remote(settings)
     try:
         [produced] = ray.get(actor.process.remote([PROMPT]), timeout=300)

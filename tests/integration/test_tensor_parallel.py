@@ -14,10 +14,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cluster.config import SamplingConfig
 from cluster.hardware import cpu_process_env
 from cluster.inference import InferenceActor, InferenceSettings
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from dspark.config import DSparkConfig
+from tests.helpers import eager_target
 
 pytestmark = pytest.mark.integration
 
@@ -39,10 +41,10 @@ def tp_runs(ray_cluster, random_llama, mooncake_master):
     holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=128 << 20)).connect()
     layer_ids = DSparkConfig.from_target(random_llama).extract_layer_ids
     # fp32: in bf16 the two ranks' partial sums could round a near-tie to another greedy token
-    tp1 = InferenceSettings(target_path=str(random_llama), layer_ids=layer_ids, key_prefix="tp1/g0", max_tokens=24,
-                            store=StoreConfig(master=mooncake_master.address), max_model_len=256, dtype="float32",
-                            kv_cache_blocks=KV_BLOCKS, cpu_threads=2)
-    tp2 = replace(tp1, key_prefix="tp2/g0", tensor_parallel_size=2)
+    tp1 = InferenceSettings(eager_target(random_llama, max_model_len=256, dtype="float32", kv_cache_blocks=KV_BLOCKS),
+                            layer_ids, "tp1/g0", sampling=SamplingConfig(max_tokens=24),
+                            store=StoreConfig(master=mooncake_master.address), cpu_threads=2)
+    tp2 = replace(tp1, key_prefix="tp2/g0", target=replace(tp1.target, tensor_parallel_size=2))
     # the job's CPU engine environment (preloaded tcmalloc and Intel OpenMP: 4x the TP-2 decode speed here)
     env = {"runtime_env": {"env_vars": cpu_process_env(("tcmalloc", "iomp"), 2)}}
     actors = {tp: ray.remote(num_cpus=1)(InferenceActor).options(**env).remote(s) for tp, s in ((1, tp1), (2, tp2))}

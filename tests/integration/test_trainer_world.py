@@ -151,7 +151,7 @@ class World:
         lease = ranks if len(ranks) == self.gang.size else [[row for rows in ranks for row in rows]]
         assert self.gang.fetch(step, lease) == {}
         out = self.gang.train_step(step, lease)
-        assert not any(m["skipped"] for m in out)
+        assert not any(m.skipped for m in out)
         return out
 
     def checkpoint(self, root: Path, step: int) -> Path:
@@ -198,7 +198,7 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
         assert world.setup(world_data["model_init"]) == 0
         slots = []
         for step, ranks in enumerate(world_data["steps"], start=1):
-            slots.append([m.get("valid_slots", 0) for m in world.step(step, ranks)])
+            slots.append([m.figures.get("valid_slots", 0) for m in world.step(step, ranks)])
         weights = drafter_weights(world.checkpoint(tmp_path, len(STEPS)))
         # What the job does at its end, on rank 0 alone, with the full weights: calibrate the
         # confidence head on held-back rows, export the drafter.

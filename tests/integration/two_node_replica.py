@@ -26,7 +26,7 @@ def main() -> dict:
     import torch
     from ray.cluster_utils import Cluster
 
-    from cluster.config import load_config
+    from cluster.config import SamplingConfig, load_config
     from cluster.hardware import cpu_process_env
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.store import MooncakeMaster
@@ -35,6 +35,7 @@ def main() -> dict:
     from cluster.store import HiddenStateStore, SampleRef, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_random_llama
+    from tests.helpers import eager_target
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
@@ -59,11 +60,12 @@ def main() -> dict:
         holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=64 << 20)).connect()
         layer_ids = DSparkConfig.from_target(target).extract_layer_ids
         store = StoreConfig(master=master.address)
-        tp1 = InferenceSettings(target_path=target, layer_ids=layer_ids, key_prefix="one/g0", max_tokens=24, store=store,
-                                max_model_len=256, dtype="float32", cpu_threads=1)
+        tp1 = InferenceSettings(eager_target(target, max_model_len=256, dtype="float32"), layer_ids, "one/g0",
+                                sampling=SamplingConfig(max_tokens=24), store=store, cpu_threads=1)
         env = cpu_process_env(("tcmalloc", "iomp"), 1)
         t0 = time.monotonic()
-        spanning, helpers = start_engine_actors(InferenceActor, replace(tp1, key_prefix="two/g0", tensor_parallel_size=2),
+        spanning, helpers = start_engine_actors(InferenceActor, replace(tp1, key_prefix="two/g0",
+                                                                          target=replace(tp1.target, tensor_parallel_size=2)),
                                                 placed, env, "two-node-r0", ("r0", "g0"))
         two = ray.get(spanning.process.remote(PROMPTS), timeout=600)
         started_and_ran_s = time.monotonic() - t0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.training import EpochPlanner, Plan
+from cluster.training import EpochPlanner, Plan, TrainedSample
 from cluster.data import LedgerError, SampleLedger, trained_outside
 from cluster.data import TrainingRecord
 from dspark.training import OptimConfig, WarmupCosine, build_optimizer
@@ -99,7 +99,7 @@ def run_epochs(ledger, record, first_step, epochs):
     for _ in range(epochs):
         step += 1
         lease = ledger.lease_step(step, ["g0"], 10_000)
-        record.add(step, 0, "g0", [{"uid": r["uid"], "source": r["group"]} for r in lease[0]])
+        record.add(step, 0, "g0", [TrainedSample(r["uid"], r["group"]) for r in lease[0]])
         record.commit(step)
         yield step, ledger.commit(step)
 

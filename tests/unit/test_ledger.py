@@ -10,6 +10,7 @@ import pytest
 
 from cluster.data import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance
 from cluster.data import ExactlyOnceViolation, TrainingRecord
+from cluster.training import TrainedSample
 
 
 def prompts(n):
@@ -72,7 +73,7 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
             if lease:
                 step += 1
                 for rank, rows in enumerate(lease):  # what each rank "trained"
-                    record.add(step, rank, rank_groups[rank], [{"uid": r["uid"], "source": r["group"]} for r in rows])
+                    record.add(step, rank, rank_groups[rank], [TrainedSample(r["uid"], r["group"]) for r in rows])
         elif action < 0.95:
             commit()
         else:  # trainer crash: the model goes back to the checkpoint, the ledger and the record follow it

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from cluster.training import TrainedSample
 from cluster.data import ExactlyOnceViolation, TrainingRecord
 
 
@@ -16,8 +17,8 @@ def outcome(trained, failed=(), unfinished=()):
 
 def test_rows_name_prompt_epoch_step_rank_and_groups(tmp_path):
     rec = TrainingRecord(tmp_path / "trained.jsonl")
-    rec.add(1, 0, "g0", [{"uid": "p1@0", "source": "g0"}])
-    rec.add(2, 1, "g1", [{"uid": "p@x@1", "source": "g0"}])  # ids may contain '@': the epoch is after the last
+    rec.add(1, 0, "g0", [TrainedSample("p1@0", "g0")])
+    rec.add(2, 1, "g1", [TrainedSample("p@x@1", "g0")])  # ids may contain '@': the epoch is after the last
     assert rec.commit(2) == 2
     rows = [json.loads(line) for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
     assert rows[1] == {"uid": "p@x@1", "prompt": "p@x", "epoch": 1, "step": 2, "rank": 1, "group": "g1", "source": "g0"}
@@ -28,7 +29,7 @@ def test_rows_name_prompt_epoch_step_rank_and_groups(tmp_path):
 def test_only_committed_steps_are_written_and_a_rollback_drops_the_rest(tmp_path):
     rec = TrainingRecord(tmp_path / "trained.jsonl")
     for step, uid in enumerate(["a@0", "b@0", "c@0"], start=1):
-        rec.add(step, 0, "g0", [{"uid": uid, "source": "g0"}])
+        rec.add(step, 0, "g0", [TrainedSample(uid, "g0")])
     assert rec.commit(2) == 2 and [r["uid"] for r in rec.rows()] == ["a@0", "b@0"]
     assert rec.commit(3) == 3
     rec.rollback_to(2)  # the model went back to the checkpoint of step 2
@@ -39,8 +40,8 @@ def test_only_committed_steps_are_written_and_a_rollback_drops_the_rest(tmp_path
 
 def test_a_sample_trained_twice_is_caught(tmp_path):
     rec = TrainingRecord(tmp_path / "trained.jsonl")
-    rec.add(1, 0, "g0", [{"uid": "a@0", "source": "g0"}])
-    rec.add(2, 1, "g1", [{"uid": "a@0", "source": "g0"}])
+    rec.add(1, 0, "g0", [TrainedSample("a@0", "g0")])
+    rec.add(2, 1, "g1", [TrainedSample("a@0", "g0")])
     rec.commit(2)
     with pytest.raises(ExactlyOnceViolation, match=r"1 samples trained more than once, e.g. \['a@0'\]"):
         rec.verify(outcome(["a@0"]))
@@ -48,7 +49,7 @@ def test_a_sample_trained_twice_is_caught(tmp_path):
 
 def test_gaps_either_way_are_caught(tmp_path):
     rec = TrainingRecord(tmp_path / "trained.jsonl")
-    rec.add(1, 0, "g0", [{"uid": "a@0", "source": "g0"}])
+    rec.add(1, 0, "g0", [TrainedSample("a@0", "g0")])
     rec.commit(1)
     with pytest.raises(ExactlyOnceViolation, match=r"committed without a record of training, e.g. \['b@0'\]"):
         rec.verify(outcome(["a@0", "b@0"]))
@@ -60,7 +61,7 @@ def test_gaps_either_way_are_caught(tmp_path):
 
 def test_a_run_ended_by_max_steps_reports_what_it_did_not_train(tmp_path):
     rec = TrainingRecord(tmp_path / "trained.jsonl")
-    rec.add(1, 0, "g0", [{"uid": "a@0", "source": "g0"}])
+    rec.add(1, 0, "g0", [TrainedSample("a@0", "g0")])
     rec.commit(1)
     proof = rec.verify(outcome(["a@0"], failed=["f@0"], unfinished=["b@0", "c@0"]), complete=False)
     assert proof["not_trained"] == 2 and proof["failed"] == ["f@0"] and proof["trained"] == 1

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.inference import InferenceSettings
+from tests.helpers import eager_target
 from cluster.inference import ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
 
 PROMPTS = [{"id": f"p{i}", "category": "math" if i % 2 else "coding", "messages": [{"role": "user", "content": str(i)}]}
@@ -68,7 +69,7 @@ def fake_vllm(monkeypatch, tmp_path):
 
 
 def settings(drafter, device="cuda", **kw):
-    engine = InferenceSettings(target_path="t", layer_ids=[], key_prefix="eval", device=device, dtype="float32")
+    engine = InferenceSettings(eager_target("t", dtype="float32"), [], "eval", device=device)
     return ServedEvalSettings(engine, str(drafter), "dspark", 6, **kw)
 
 

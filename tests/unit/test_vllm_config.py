@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dspark.checkpoint import save_drafter
-from tests.helpers import make_drafter
+from tests.helpers import eager_target, make_drafter
 
 pytest.importorskip("vllm")
 
@@ -66,8 +66,9 @@ def test_latent_attention_targets_outside_bf16_get_the_reference_cpu_backend(tmp
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         return str(tmp_path / name)
 
-    def backend(path: str, **kw) -> str | None:
-        return engine_kwargs(InferenceSettings(path, [1, 2], "run/g0", extract=False, **kw)).get("attention_backend")
+    def backend(path: str, dtype: str, device: str = "cpu") -> str | None:
+        settings = InferenceSettings(eager_target(path, dtype=dtype), [1, 2], "run/g0", device=device, extract=False)
+        return engine_kwargs(settings).get("attention_backend")
 
     mla, nested = target("mla", {"kv_lora_rank": 512}), target("nested", {"text_config": {"kv_lora_rank": 512}})
     plain = target("plain", {"num_key_value_heads": 4})

@@ -50,3 +50,32 @@ def test_the_condition_may_end_the_wait_by_raising():
 
     with pytest.raises(RuntimeError, match="exited"):
         wait_until(exited, timeout_s=10, interval_s=0.1, what="x")
+
+
+def test_the_trainers_wait_for_data_has_a_deadline_counted_from_its_last_step_or_sample():
+    """`trainer.data_timeout_s`: a wait that began long ago ends the job, naming where the samples
+    are; a sample stored recently (or a first wait) restarts the count."""
+    import time
+    from types import SimpleNamespace
+
+    from cluster.config import JobConfig
+    from cluster.data import GroupCounts, LedgerCounts
+    from cluster.job.loop import wait_for_data
+
+    cfg = JobConfig()
+    cfg.trainer.data_timeout_s = 100.0
+    counts = LedgerCounts(pending=3, generating=2, total=5, epochs=1, produced_samples=7,
+                          groups={"g0": GroupCounts(generating=2)})
+    now = time.monotonic()
+    job = SimpleNamespace(cfg=cfg, ledger=SimpleNamespace(counts=lambda: counts), uncommitted=[],
+                          produced_seen=7, produced_at=now - 500.0, waiting_since=None)
+    wait_for_data(job)  # the first wait: the count starts now
+    assert job.waiting_since >= now
+    job.waiting_since = now - 200.0
+    job.produced_at = now - 50.0  # a sample stored 50 s ago: still within the deadline
+    wait_for_data(job)
+    job.produced_at = now - 150.0
+    with pytest.raises(RuntimeError) as e:
+        wait_for_data(job)
+    assert "trainer.data_timeout_s=100" in str(e.value) and "3 pending" in str(e.value)
+    assert "g0: 2 generating, 0 stored" in str(e.value)
