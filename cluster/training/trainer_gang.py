@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.errors import cause_of
 from cluster.scaling import Placed
 from cluster.training.rank_setup import TrainerSettings
+from cluster.training.step_result import StepResult
 from cluster.training.trainer_rank import TrainerRank
 
 log = logging.getLogger("dspark.trainer")

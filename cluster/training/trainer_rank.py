@@ -21,6 +21,7 @@ import torch
 
 from cluster.store import free_port
 from cluster.training.checkpoints import make_universal, publish
+from cluster.training.step_result import StepResult, TrainedSample
 from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
                                          vocab_mapping_from)
 
