@@ -32,12 +32,26 @@ class Stop:
     reason: str
 
 
+class JobStopped(Exception):
+    """A stop arrived while the job was starting: what was placed is released, nothing trained."""
+
+
 class ControlChannel:
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        # Set by `send` (a plain assignment: safe in a signal handler, unlike an Event's lock),
+        # read by the start-up between its phases, before the loop takes the request.
+        self.stop_sent: Stop | None = None
 
     def send(self, request: ResizeTrainer | Stop) -> None:
+        if isinstance(request, Stop) and self.stop_sent is None:
+            self.stop_sent = request
         self._q.put(request)
+
+    def raise_if_stopped(self, phase: str) -> None:
+        """Between the start-up's phases: a stop sent meanwhile ends the start here."""
+        if self.stop_sent is not None:
+            raise JobStopped(f"stopped during start-up, before {phase}: {self.stop_sent.reason}")
 
     def take(self) -> tuple[ResizeTrainer | None, Stop | None]:
         """Everything sent since the last call, folded: the merged resize (later requests

@@ -22,6 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.config import ConfigError, load_config  # noqa: E402
 
 SIMULATED_NODES_TIMEOUT_S = 180
+# Seconds a graceful stop needs at least (the step in progress, a checkpoint, result.json) on the
+# local job; a cluster's checkpoint of a large drafter wants more (the manifest gives 1800).
+MIN_STOP_WAIT_S = 60
+
+
+def warn_short_stop_wait() -> None:
+    """Under `ray job submit`, Ray kills the driver RAY_JOB_STOP_WAIT_TIME_S after `ray job stop`'s
+    SIGTERM (3 s unless the submission or the head sets it): too soon for the stop's checkpoint."""
+    import os
+
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # not a submitted job: nobody times the stop
+        return
+    wait = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
+    if wait < MIN_STOP_WAIT_S:
+        logging.getLogger("dspark.job").warning(
+            "RAY_JOB_STOP_WAIT_TIME_S=%g: `ray job stop` would kill this job before its stop checkpoint; submit with "
+            "--runtime-env-json '{\"env_vars\": {\"RAY_JOB_STOP_WAIT_TIME_S\": \"%d\"}}' (scripts/run_local.sh does)",
+            wait, 2 * MIN_STOP_WAIT_S)
 
 
 def plan(cfg, simulate: str | None) -> int:
@@ -90,12 +108,14 @@ def main() -> int:
     from cluster.job import TrainingJob
     from dspark.tau_report import fmt, format_table
 
+    warn_short_stop_wait()
     ray.init(log_to_driver=True)
     job = TrainingJob(cfg)
 
     def stop(signum, _frame):
-        # The first signal asks the training loop to stop after its step and still export and
-        # evaluate what it has; a second one aborts at once.
+        # The first signal (`ray job stop` sends SIGTERM) asks the job to stop after its step with
+        # a checkpoint and result.json (or, during start-up, after the phase it is in); a second
+        # one aborts at once.
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
         job.control.send(Stop(f"{signal.Signals(signum).name} received"))
 
@@ -110,6 +130,10 @@ def main() -> int:
         logging.getLogger("dspark.job").exception("the job failed")
         print(f"\njob failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if result["status"] == "stopped":
+        print(f"\nstopped at step {result['steps']} ({result['reason']}); {result['resume']}")
+        print(f"results: {result['run_dir']}/result.json")
+        return 0
     ev = result["evaluation"]
     print(f"\nheld-out tau = {fmt(ev['tau'])} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
           f"lossless={ev['lossless']}; per-position acceptance "

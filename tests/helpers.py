@@ -87,10 +87,13 @@ def reference_outputs(sm, batch, anchors, monkeypatch):
     return hidden, logits, targets.view(n, g, -1), conf
 
 
-def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float = 600.0, second_timeout_s: float = 900.0):
-    """Run the job's entry script `cmd` against the test session's Ray, SIGKILL its process
-    group once `run_dir` holds a finished checkpoint, run the same command again to the end.
-    Returns (the newest checkpoint step when killed, the second run's CompletedProcess)."""
+def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float = 600.0, second_timeout_s: float = 900.0,
+                      sig=None, stop_wait_s: float = 120.0, between=None):
+    """Run the job's entry script `cmd` against the test session's Ray, send its process group
+    `sig` (SIGKILL by default; SIGTERM is what `ray job stop` sends, then the first run must end
+    by itself within `stop_wait_s`) once `run_dir` holds a finished checkpoint, run the same
+    command again to the end. Returns (the newest checkpoint step after the first run, the second
+    run's CompletedProcess). `between()` is called after the first run ends."""
     import os
     import signal
     import subprocess
@@ -109,8 +112,16 @@ def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float 
             assert time.monotonic() < deadline, f"no checkpoint within {first_timeout_s:.0f}s"
             time.sleep(0.5)
         assert first.poll() is None, "the first run finished before it could be killed"
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        sig = signal.SIGKILL if sig is None else sig
+        os.killpg(first.pid, sig)
+        try:
+            code = first.wait(timeout=None if sig == signal.SIGKILL else stop_wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            raise AssertionError(f"the first run did not end within {stop_wait_s:.0f}s of {sig.name} (log: {log_path})")
+        assert sig == signal.SIGKILL or code == 0, f"the stopped run exited with {code} (log: {log_path})"
+    if between is not None:
+        between()
     killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*") if (p / "meta.json").exists())
     second = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=second_timeout_s)
     return killed_at, second

@@ -14,6 +14,7 @@ from pathlib import Path
 from cluster.config import ROOT
 from cluster.data import repo_path
 from cluster.hardware import read_cpu
+from cluster.job.checkpointing import checkpoint
 from cluster.job.settings import cpu_engine_env, inference_settings
 from dspark.recipe import write_recipe
 from dspark.tau_report import UNCATEGORIZED
@@ -25,6 +26,29 @@ class JobFailed(RuntimeError):
     pass
 
 
+def stopped(job, reason: str) -> dict:
+    """A stop (`ray job stop`, SIGTERM to the driver): what was trained since the last checkpoint
+    is committed in one more, and result.json says so and how to resume. No calibration, export
+    or evaluation: they take minutes that Ray's stop wait (`RAY_JOB_STOP_WAIT_TIME_S`) may not
+    give, and the resumed job does them at its end. The producers are stopped afterwards, by the
+    job's shutdown: draining them could take the stop wait, and what they generate now is
+    generated again on resume (the checkpoint's ledger holds it as pending)."""
+    job.stop_event.set()  # the progress reporter and the autoscaler
+    if job.uncommitted:  # steps since the last checkpoint
+        checkpoint(job)
+    latest = job.checkpoints.latest()
+    proof = job.record.verify(job.ledger.outcome(), complete=False) if job.ledger is not None else None
+    resume = (f"submit the same command again with run_name={job.cfg.run_name} output_dir={job.cfg.output_dir}: "
+              + (f"it resumes from {latest} (trainer.resume=auto)" if latest else "it starts over (nothing was trained)"))
+    results = {"status": "stopped", "reason": reason, "run_dir": str(job.run_dir), "steps": job.stats.step,
+               "checkpoint": str(latest) if latest else None, "resume": resume, "exactly_once": proof,
+               "events": job.events, "trained_until_s": job.trained_until_s,
+               "wall_clock_s": time.monotonic() - job.started}
+    (job.run_dir / "result.json").write_text(json.dumps(results, indent=2, default=str))
+    log.warning("stopped (%s) at step %d; %s", reason, job.stats.step, resume)
+    return results
+
+
 
 def finish(job, calibration: dict) -> dict:
     outcome = job.ledger.outcome()
@@ -34,7 +58,7 @@ def finish(job, calibration: dict) -> dict:
     job.gang.export(str(final), calibration.get("temperatures"), job.cfg.target.name)
     counts = job.ledger.counts()
     results = {
-        "run_dir": str(job.run_dir), "drafter": str(final), "steps": job.stats.step, "ended_by": job.ended_by,
+        "status": "completed", "run_dir": str(job.run_dir), "drafter": str(final), "steps": job.stats.step, "ended_by": job.ended_by,
         "trained_fraction": proof["trained"] / max(counts.total, 1),
         "exactly_once": proof, "world": job.gang.layout(), "calibration": calibration, "events": job.events,
         # the plan the time budget kept (cluster.training.budget); what each epoch trained is in exactly_once

@@ -27,13 +27,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.config import JobConfig, group_watermarks, to_yaml
-from cluster.control import ControlChannel
+from cluster.control import ControlChannel, JobStopped
 from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
 from cluster.job.checkpointing import checkpoint
 from cluster.job.loop import train
 from cluster.job.progress import ProgressReporter, TrainingStats
 from cluster.job.recovery import check_resume_plan, restore_data_state
-from cluster.job.results import finish
+from cluster.job.results import finish, stopped
 from cluster.job.settings import cpu_rank_env, producer_spec, trainer_settings
 from cluster.metrics import Metrics
 from cluster.training import CheckpointDir, EpochPlanner
@@ -119,9 +119,11 @@ class TrainingJob:
         from cluster.store import StoreServices
         from cluster.training import TrainerGang
 
-        cfg = self.cfg
+        cfg, stop_check = self.cfg, self.control.raise_if_stopped
+        stop_check("placement")
         self.placed = place_all(cfg)
         log.info("placement:\n%s", describe(self.placed))
+        stop_check("the store services")
         self.services = StoreServices(cfg.transport, cfg.run_name, str(self.run_dir / "logs"))
         self.services.start()
         self.services.ensure_node_stores(self.placed)
@@ -133,8 +135,10 @@ class TrainingJob:
             sample_bytes_estimate=self.max_sample_bytes))
         self.master_generation = self.services.master_info()["generation"]
         self.trainer_pgs = [p for p in self.placed if p.spec.role == "trainer"]
+        stop_check("the trainer world")
         self.gang = TrainerGang(trainer_settings(self), cfg.run_name, cpu_rank_env(self))
         self.gang.start(self.trainer_pgs)
+        stop_check("the replicas")
         self.resume_from = restore_data_state(self)  # before any producer asks the ledger for prompts
         watcher_ledger = self.ledger.with_timeout(WATCHER_LEDGER_TIMEOUT_S)
         for gi, g in enumerate(cfg.topology.groups):
@@ -196,8 +200,12 @@ class TrainingJob:
             self.start()
             train(self)
             self.trained_until_s = time.monotonic() - self.started
+            if self.ended_by == "stop":
+                return stopped(self, self.control.stop_sent.reason if self.control.stop_sent else "stop")
             calibration = self.finalize()
             print(self.reporter.report(), flush=True)
             return finish(self, calibration)
+        except JobStopped as e:  # during start-up: `shutdown` releases what was placed
+            return stopped(self, str(e))
         finally:
             self.shutdown()

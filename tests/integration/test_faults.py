@@ -142,6 +142,67 @@ def test_fault_driver_killed_and_resubmitted(ray_cluster, smol_target, replay_di
     assert_exactly_once(result)
 
 
+@pytest.mark.slow
+def test_stop_mid_training_checkpoints_and_the_resubmitted_job_ends_exactly_once(ray_cluster, smol_target, replay_dir,
+                                                                                 tmp_path):
+    """SIGTERM to the driver's process group (what `ray job stop` sends) after its first
+    checkpoint: the driver ends by itself with a checkpoint of what it trained and result.json
+    saying `stopped` and how to resume; the same command again ends with every prompt trained
+    exactly once."""
+    import json
+    import signal
+    import sys
+
+    from tests.helpers import kill_and_resubmit
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "jobs" / "train_kimi_k3.py"), "--config", str(root / "configs" / "local.yaml"),
+           *replay_job(tmp_path, replay_dir, "stopped"), "inference.replay_samples_per_s=10"]
+    run_dir = tmp_path / "stopped"
+    holder = {}
+
+    def stopped_result():  # read between the runs: the second one overwrites result.json
+        holder["result"] = json.loads((run_dir / "result.json").read_text())
+
+    killed_at, second = kill_and_resubmit(cmd, run_dir, tmp_path / "first.log", 300, 600, sig=signal.SIGTERM,
+                                          stop_wait_s=120, between=stopped_result)
+    first = holder["result"]
+    assert first["status"] == "stopped" and "SIGTERM" in first["reason"], first
+    assert first["checkpoint"].endswith(f"step-{first['steps']:06d}") and killed_at == first["steps"], first
+    assert "run_name=stopped" in first["resume"], first["resume"]
+    assert first["exactly_once"]["trained"] > 0, first["exactly_once"]
+    assert second.returncode == 0, second.stdout[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "completed"
+    assert any(e.startswith("resumed from") for e in result["events"]), result["events"]
+    assert_exactly_once(result)
+
+
+def test_stop_during_start_up_releases_what_was_placed(ray_cluster, smol_target, replay_dir, tmp_path):
+    """A stop that arrives once the placement groups exist ends the start-up at its next phase:
+    result.json says stopped, nothing was trained, and every placement group is removed."""
+    from ray.util import placement_group_table
+
+    from cluster.control import Stop
+
+    job = start_job(tmp_path, replay_dir, "stop-start", [])
+
+    def stop_once_placed():
+        deadline = time.monotonic() + 120
+        while not job.placed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.control.send(Stop("SIGTERM received"))
+
+    threading.Thread(target=stop_once_placed, daemon=True).start()
+    result = job.run()
+    assert result["status"] == "stopped" and "during start-up" in result["reason"], result
+    assert result["steps"] == 0 and result["checkpoint"] is None, result
+    groups = {p.pg.id.hex() for p in job.placed}
+    assert groups, "nothing was placed before the stop"
+    states = {pg_id: info["state"] for pg_id, info in placement_group_table().items() if pg_id in groups}
+    assert states and set(states.values()) == {"REMOVED"}, states
+
+
 def run_one(tmp_path, replay_dir, name, overrides, faults):
     job = start_job(tmp_path, replay_dir, name, overrides)
     result, fired = run_with(job, faults)
