@@ -267,9 +267,10 @@ class InferenceConfig:
     replay_dir: str | None = None
     replay_samples_per_s: float = ranged(0.0, NON_NEGATIVE)  # 0: unthrottled
     # Replay backend only, fault injection for tests: its producers die on these prompt ids every
-    # time (poison prompts) or hang on them once.
+    # time (poison prompts) or hang on them once; the first `replay_start_hangs` starts hang.
     replay_crash_on: list[str] = field(default_factory=list)
     replay_hang_on: list[str] = field(default_factory=list)
+    replay_start_hangs: int = ranged(0, NON_NEGATIVE)
     prompt_batch: int = ranged(16, AT_LEAST_1)  # prompts a replica asks for at a time: big enough to batch, small enough to spread
     # CPU replicas: the engine's OpenMP threads (None: the machine's cores; the local job's one
     # replica has the box to itself while the trainer waits for it or trains on one thread)
@@ -282,6 +283,9 @@ class InferenceConfig:
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
     # it is killed and replaced, its prompts go back to pending (an attempt each).
     generation_timeout_s: float = ranged(1800.0, POSITIVE)
+    # A replica whose engine (and, spanning nodes, its headless workers) has not started after
+    # this long is taken for hung in start-up, killed and replaced the same way.
+    start_timeout_s: float = ranged(1800.0, POSITIVE)
     first_samples_timeout_s: float = ranged(3600.0, POSITIVE)  # for the first stored answers (the draft vocabulary waits for them)
 
 

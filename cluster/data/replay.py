@@ -25,9 +25,11 @@ class ReplaySettings:
     samples_per_s: float = 0.0  # 0: as fast as the store takes them
     put_retry_s: float = 300.0
     # Fault injection (tests): asked for one of these prompt ids, the producer's process exits
-    # (every time: a poison prompt), or hangs (once: a marker in `fault_dir` remembers it).
+    # (every time: a poison prompt), or hangs (once: a marker in `fault_dir` remembers it); the
+    # first `start_hangs` producers started hang in their constructor (markers count them).
     crash_on: list[str] = field(default_factory=list)
     hang_on: list[str] = field(default_factory=list)
+    start_hangs: int = 0
     fault_dir: str | None = None
 
 
@@ -37,12 +39,20 @@ class ReplayActor(Producer):
 
         super().__init__(replica_id, group)
         self.s = settings
+        self._hang_at_start(replica_id)
         files = sorted(Path(self.s.sample_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no samples to replay in {self.s.sample_dir}")
         self.samples = [read_sample(f) for f in files]
         self.store = HiddenStateStore(self.s.store).connect()
         self.totals["full_waits"] = 0
+
+    def _hang_at_start(self, replica_id: str) -> None:
+        fault_dir = Path(self.s.fault_dir or "/tmp")
+        if len(list(fault_dir.glob("hung-start-*"))) < self.s.start_hangs:
+            (fault_dir / f"hung-start-{replica_id}").touch()
+            while True:
+                time.sleep(3600)
 
     def _inject_fault(self, prompt_id: str) -> None:
         if prompt_id in self.s.crash_on:

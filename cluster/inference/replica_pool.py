@@ -53,6 +53,9 @@ class Replica:
     placed: Placed
     owned: bool  # its placement group was made by the pool (the autoscaler's), not the job's
     helpers: list = field(default_factory=list)  # its headless engine workers on other nodes (CPU, multi-node)
+    # Ready when every actor of the replica has finished its constructor (the engine started)
+    starting: list = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
 
 
 def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | None = None, node: int = 0) -> dict:
@@ -126,12 +129,13 @@ def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict |
 class ReplicaPool:
     def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
                  run_name: str, placement_timeout_s: float, max_restarts: int, generation_timeout_s: float = 1800.0,
-                 backoff_s: float = 1.0) -> None:
+                 backoff_s: float = 1.0, start_timeout_s: float = 1800.0) -> None:
         import ray
 
         self.ray, self.group, self.spec, self.ledger, self.services = ray, group, spec, ledger, services
         self.role, self.run_name, self.placement_timeout_s = role, run_name, placement_timeout_s
         self.max_restarts, self.generation_timeout_s, self.backoff_s = max_restarts, generation_timeout_s, backoff_s
+        self.start_timeout_s = start_timeout_s
         self.hung: dict[str, str] = {}  # replica -> why it was killed
         self.waiting: list[tuple[float, Placed, bool]] = []  # replacements due at a time (backoff)
         self._hung_checked = 0.0
@@ -154,8 +158,10 @@ class ReplicaPool:
             settings = replace(self.spec.settings, store=self.services.store_config())
             actor, helpers = start_engine_actors(self.spec.actor_class, settings, placed, self.spec.env,
                                                  f"{self.run_name}-{rid}", (rid, self.group))
-            self.replicas[rid] = Replica(actor, actor.serve.remote(self.ledger.with_timeout(PRODUCER_LEDGER_TIMEOUT_S), self.spec.prompt_batch), placed, owned,
-                                         helpers)
+            serving = actor.serve.remote(self.ledger.with_timeout(PRODUCER_LEDGER_TIMEOUT_S), self.spec.prompt_batch)
+            # (Ray's own readiness call: it runs once the actor's constructor has returned)
+            starting = [a.__ray_ready__.remote() for a in [actor, *helpers]]
+            self.replicas[rid] = Replica(actor, serving, placed, owned, helpers, starting)
             return rid
 
     def _kill_replica(self, rep: Replica) -> None:
@@ -208,12 +214,20 @@ class ReplicaPool:
         if time.monotonic() - self._hung_checked < every_s:
             return
         self._hung_checked = time.monotonic()
-        hung = self.ledger.hung_replicas(self.generation_timeout_s)
+        hung = {rid: (f"hung: a prompt generating for {age:.0f}s "
+                      f"(inference.generation_timeout_s={self.generation_timeout_s:g})")
+                for rid, age in self.ledger.hung_replicas(self.generation_timeout_s).items()}
         with self._lock:
-            for rid, age in hung.items():
+            for rid, rep in self.replicas.items():
+                if rep.starting:
+                    _, rep.starting = self.ray.wait(rep.starting, num_returns=len(rep.starting), timeout=0)
+                age = time.monotonic() - rep.started_at
+                if rep.starting and age > self.start_timeout_s:
+                    hung[rid] = (f"hung in start-up: its engine had not started after {age:.0f}s "
+                                 f"(inference.start_timeout_s={self.start_timeout_s:g})")
+            for rid, why in hung.items():
                 if rid in self.replicas and rid not in self.hung:
-                    self.hung[rid] = (f"hung: a prompt generating for {age:.0f}s "
-                                      f"(inference.generation_timeout_s={self.generation_timeout_s:g})")
+                    self.hung[rid] = why
                     self.ray.kill(self.replicas[rid].actor, no_restart=True)
 
     def add(self) -> str | None:

@@ -20,7 +20,8 @@ def producer_spec(job, group_index: int):
         i = c.inference
         rate = g.replay_samples_per_s if g.replay_samples_per_s is not None else i.replay_samples_per_s
         settings = ReplaySettings(i.replay_dir, StoreConfig(), rate, crash_on=list(i.replay_crash_on),
-                                  hang_on=list(i.replay_hang_on), fault_dir=str(job.run_dir))
+                                  hang_on=list(i.replay_hang_on), start_hangs=i.replay_start_hangs,
+                                  fault_dir=str(job.run_dir))
         return ProducerSpec(ReplayActor, settings, i.prompt_batch)
     return ProducerSpec(InferenceActor, inference_settings(job, g.name), c.inference.prompt_batch, cpu_engine_env(job))
 

@@ -144,7 +144,8 @@ class TrainingJob:
         for gi, g in enumerate(cfg.topology.groups):
             pool = ReplicaPool(g.name, producer_spec(self, gi), watcher_ledger, self.services, replica_spec(cfg, gi),
                                cfg.run_name, cfg.autoscaler.placement_timeout_s, cfg.inference.max_replica_restarts,
-                               cfg.inference.generation_timeout_s, cfg.inference.restart_backoff_s)
+                               cfg.inference.generation_timeout_s, cfg.inference.restart_backoff_s,
+                               cfg.inference.start_timeout_s)
             for p in self.placed:
                 if p.spec.group == g.name and p.spec.role == "inference":
                     pool.start(p)

@@ -243,6 +243,18 @@ def test_fault_trainer_rank_hung(ray_cluster, smol_target, replay_dir, tmp_path)
 
 
 @pytest.mark.slow
+def test_fault_replica_hung_in_start_up(ray_cluster, smol_target, replay_dir, tmp_path):
+    """The first replica never finishes its constructor (an engine that hangs while it loads):
+    after inference.start_timeout_s it is killed and replaced, and the job ends exactly-once."""
+    _, result, _, events = run_one(tmp_path, replay_dir, "hung-start", [
+        "inference.replay_start_hangs=1", "inference.start_timeout_s=5"], [])
+    assert any("g0-r0 died (hung in start-up: its engine had not started after" in e
+               and "inference.start_timeout_s=5" in e for e in events), events
+    assert result["groups"]["g0"]["replicas"] == 1
+    assert_exactly_once(result)
+
+
+@pytest.mark.slow
 def test_fault_master_process_killed(ray_cluster, smol_target, replay_dir, tmp_path):
     import ray
 
