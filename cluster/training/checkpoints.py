@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 log = logging.getLogger("dspark.checkpoints")
@@ -52,7 +53,7 @@ class CheckpointDir:
                 return f"{part} missing or empty"
         if not {"step", "world_size", "record_rows"} <= set(meta):
             return f"meta.json lacks {sorted({'step', 'world_size', 'record_rows'} - set(meta))}"
-        return None
+        return damaged_file(path, meta.get("files", {}))  # (older checkpoints list no files)
 
     def paths(self, step: int) -> tuple[Path, Path]:
         """(temporary dir to write into, final name)."""
@@ -78,6 +79,28 @@ class CheckpointDir:
         self.root.rename(dest)
         self.root.mkdir()
         return dest
+
+
+def file_sizes(root: Path) -> dict[str, int]:
+    """Every file of a checkpoint being written, by path relative to it, with its size (but
+    `meta.json`, which lists them)."""
+    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*"))
+            if f.is_file() and f != root / "meta.json"}
+
+
+def damaged_file(root: Path, sizes: dict[str, int]) -> str | None:
+    """Why a checkpoint's files differ from what was written (`file_sizes` at save), or None. A
+    torch file (`.pt`, a zip archive) must also have its directory at its end: a truncated or
+    overwritten DeepSpeed shard fails here, before the world tries (and retries) to load it."""
+    for rel, size in sizes.items():
+        f = root / rel
+        if not f.is_file():
+            return f"{rel} missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {size} were written"
+        if f.suffix == ".pt" and not zipfile.is_zipfile(f):
+            return f"{rel} is not a whole torch archive"
+    return None
 
 
 def publish(tmp: Path, dest: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from cluster.store import free_port
-from cluster.training.checkpoints import make_universal, publish
+from cluster.training.checkpoints import file_sizes, make_universal, publish
 from cluster.training.step_result import StepResult, TrainedSample
 from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
                                          vocab_mapping_from)
@@ -368,6 +368,7 @@ class TrainerRank:
         tmp, dest = Path(tmp_dir), Path(dest)
         save_drafter(self.full_drafter(), tmp / "drafter")
         (tmp / "ledger.json").write_text(json.dumps(ledger_state))
+        meta = {**meta, "files": file_sizes(tmp)}  # what `CheckpointDir.problem` checks a resume against
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
         publish(tmp, dest)
         return str(dest)

@@ -54,3 +54,34 @@ def test_a_fresh_start_moves_old_checkpoints_aside(tmp_path):
     moved = ckpts.archive()
     assert moved.name.startswith("checkpoints.old-") and (moved / "step-000460").is_dir()
     assert ckpts.latest() is None and ckpts.root.is_dir()
+
+
+def test_a_damaged_deepspeed_shard_falls_back_to_the_previous_checkpoint(tmp_path):
+    """Each file's size is recorded at save (`file_sizes`); a shard truncated, overwritten with
+    bytes of the same length, or gone makes the checkpoint unusable before any rank loads it."""
+    import torch
+
+    from cluster.training.checkpoints import file_sizes
+
+    ckpts = CheckpointDir(tmp_path / "checkpoints")
+
+    def with_shard(step: int):
+        d = write(ckpts.root, step)
+        shard = d / "trainer" / f"global_step{step}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        shard.parent.mkdir()
+        torch.save({"state": torch.arange(1000.0)}, shard)
+        meta = json.loads((d / "meta.json").read_text())
+        (d / "meta.json").write_text(json.dumps({**meta, "files": file_sizes(d)}))
+        return d, shard
+
+    with_shard(40)
+    d, shard = with_shard(80)
+    assert CheckpointDir.problem(d) is None and ckpts.latest() == d
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    assert "optim_states.pt has" in CheckpointDir.problem(d) and ckpts.latest().name == "step-000040"
+    shard.write_bytes(b"\0" * len(whole))
+    assert CheckpointDir.problem(d).endswith("optim_states.pt is not a whole torch archive")
+    assert ckpts.latest().name == "step-000040"
+    shard.unlink()
+    assert CheckpointDir.problem(d).endswith("optim_states.pt missing") and ckpts.latest().name == "step-000040"
