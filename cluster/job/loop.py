@@ -18,11 +18,16 @@ from cluster.training import StepResult, TrainerFailure
 log = logging.getLogger("dspark.job")
 
 
-def train(job) -> None:
+def train(job, begun: bool = False) -> None:
     """One global step per iteration, until the data is trained (or max_steps, or a stop).
-    A failed trainer world is restarted from the last checkpoint (bounded)."""
+    A failed trainer world is restarted from the last checkpoint (bounded), its first set-up
+    (`begin`, unless `begun`) included."""
     t, s = job.cfg.trainer, job.stats
-    s.step = begin(job)
+    if not begun:
+        try:
+            s.step = begin(job)
+        except TrainerFailure as e:
+            restart_trainer(job, e)
     while True:
         try:
             supervise(job)

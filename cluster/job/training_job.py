@@ -32,11 +32,11 @@ from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_
 from cluster.job.checkpointing import checkpoint
 from cluster.job.loop import train
 from cluster.job.progress import ProgressReporter, TrainingStats
-from cluster.job.recovery import check_resume_plan, restore_data_state
+from cluster.job.recovery import check_resume_plan, restart_trainer, restore_data_state
 from cluster.job.results import finish, stopped
 from cluster.job.settings import cpu_rank_env, producer_spec, trainer_settings
 from cluster.metrics import Metrics
-from cluster.training import CheckpointDir, EpochPlanner
+from cluster.training import CheckpointDir, EpochPlanner, TrainerFailure
 
 log = logging.getLogger("dspark.job")
 # The replica pools', the progress reporter's and the autoscaler's calls on the ledger (it answers
@@ -166,17 +166,18 @@ class TrainingJob:
         check_resume_plan(self)
 
     def finalize(self) -> dict:
-        """Producers stop (and with them the reporter and the autoscaler threads); the confidence
-        head is calibrated on the last, uncommitted samples (never trained twice: calibration
-        only reads); the final checkpoint commits them."""
+        """The reporter and the autoscaler threads stop; the confidence head is calibrated on the
+        last, uncommitted samples (never trained twice: calibration only reads); the final
+        checkpoint commits them; then the producers stop (after: a world that fails here restarts
+        from the last checkpoint, and samples it had released are generated again)."""
         self.stop_event.set()
-        self.final_replicas = {name: len(pool) for name, pool in self.pools.items()}
-        for pool in self.pools.values():
-            pool.stop()
         calib = {}
         if self.uncommitted and self.cfg.drafter.enable_confidence_head and self.cfg.drafter.mode == "dspark":
             calib = self.gang.calibrate(self.uncommitted[-32:])
         checkpoint(self)
+        self.final_replicas = {name: len(pool) for name, pool in self.pools.items()}
+        for pool in self.pools.values():
+            pool.stop()
         return calib
 
     def shutdown(self) -> None:
@@ -203,7 +204,13 @@ class TrainingJob:
             self.trained_until_s = time.monotonic() - self.started
             if self.ended_by == "stop":
                 return stopped(self, self.control.stop_sent.reason if self.control.stop_sent else "stop")
-            calibration = self.finalize()
+            while True:
+                try:
+                    calibration = self.finalize()
+                    break
+                except TrainerFailure as e:  # bounded: restarts count against trainer.max_restarts
+                    restart_trainer(self, e)  # from the last checkpoint: what it had not committed is trained again
+                    train(self, begun=True)
             print(self.reporter.report(), flush=True)
             return finish(self, calibration)
         except JobStopped as e:  # during start-up: `shutdown` releases what was placed

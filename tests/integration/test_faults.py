@@ -255,6 +255,16 @@ def test_fault_replica_hung_in_start_up(ray_cluster, smol_target, replay_dir, tm
 
 
 @pytest.mark.slow
+def test_fault_trainer_rank_killed_in_its_first_set_up(ray_cluster, smol_target, replay_dir, tmp_path):
+    """Rank 0 killed as soon as the world exists (its first set-up, or before the first step):
+    the world is restarted from scratch like any failed one, not the end of the job."""
+    job, result, _, events = run_one(tmp_path, replay_dir, "kill-rank-at-start", [],
+                                     [(lambda j: j.stats.step == 0, kill_rank)])
+    assert any(e.startswith("trainer world restarted from scratch") for e in events), events
+    assert_exactly_once(result)
+
+
+@pytest.mark.slow
 def test_fault_master_process_killed(ray_cluster, smol_target, replay_dir, tmp_path):
     import ray
 
