@@ -43,6 +43,10 @@ from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 CONNECTOR = "MooncakeHiddenStatesConnector"
 SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
 CONNECTOR_MODULE = "cluster.store.hidden_states_connector"
+# A put retries against a full store until this long before its flush gives up: a put that
+# outlived the flush would store a sample the replica had already reported failed (a leaked
+# object, and an attempt lost); so the put ends first, and a failed put stores nothing.
+PUT_MARGIN_S = 10.0
 
 
 @dataclass
@@ -61,7 +65,9 @@ class InferenceSettings:
     device: str = "cpu"
     extract: bool = True  # False: a plain engine (reference generations in tests)
     chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
-    flush_timeout_s: float = 60.0
+    # How long a batch's hidden states may take to reach the store, a full store's backpressure
+    # included; the connector's puts give up `PUT_MARGIN_S` sooner (`engine_kwargs`).
+    flush_timeout_s: float = 600.0
     cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
     span: EngineSpan | None = None  # an engine over several nodes: this process's part of it
 
@@ -164,6 +170,7 @@ def engine_kwargs(s: InferenceSettings) -> dict:
                 # vLLM carries this as JSON to the connector (possibly in another process) and logs
                 # it: the samples' key goes by environment instead (SAMPLE_KEY_ENV)
                 "backend": s.backend, "key_prefix": s.key_prefix, "store": asdict(replace(s.store, sample_key="")),
+                "put_retry_s": max(s.flush_timeout_s - PUT_MARGIN_S, 1.0),
                 "shared_storage_path": s.file_dir,
             },
         }
