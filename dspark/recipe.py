@@ -162,8 +162,12 @@ def model_card(drafter_config: dict, training: dict, evaluation: dict) -> str:
     lossless = "" if evaluation.get("lossless") is None else (
         f" Lossless (greedy speculative output identical to the target's, token for token, {check}): "
         f"{evaluation.get('lossless')}.")
+    quality = training.get("quality") or {}
+    warning = "" if quality.get("worth_serving", True) else (
+        "\n**Not worth serving as trained:** " + "; ".join(quality.get("reasons", [])) + ". To change: "
+        + "; ".join(quality.get("advice", [])) + ".\n")
     return f"""# DSpark drafter for {verifier(drafter_config)}
-
+{warning}
 A {drafter_config['transformer_layer_config']['num_hidden_layers']}-layer DSpark draft model (block size
 {drafter_config['block_size']}, draft vocabulary {drafter_config.get('draft_vocab_size')}, aux layers
 {drafter_config['aux_hidden_state_layer_ids']}) in the `speculators` format, for vLLM's `method: dspark`.

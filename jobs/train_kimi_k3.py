@@ -149,6 +149,9 @@ def main() -> int:
           f"({proof['crossed']} by another group's rank), {epochs['kept']} of {epochs['planned']} planned epochs "
           f"in {result['trained_until_s'] / 60:.1f} min, ended by {result['ended_by']}; record: {proof['record']}")
     print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
+    quality = result["quality"]
+    if not quality["worth_serving"]:
+        print(f"NOT WORTH SERVING: {'; '.join(quality['reasons'])}\n  to change: {'; '.join(quality['advice'])}")
     cpu = result["machine"]["cpu"]
     print(f"wall clock {result['wall_clock_s'] / 60:.1f} min on {cpu['model']} ({cpu['cores']} cores, native bf16: "
           f"{cpu['native_bf16']}); target {result['machine']['target_dtype']}, trainer {result['machine']['trainer_precision']}")

@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 from cluster.config import ROOT
 from cluster.data import repo_path
 from cluster.hardware import read_cpu
 from cluster.job.checkpointing import checkpoint
+from cluster.job.quality import assess
 from cluster.job.settings import cpu_engine_env, inference_settings
 from dspark.recipe import write_recipe
 from dspark.tau_report import UNCATEGORIZED
@@ -78,7 +80,12 @@ def finish(job, calibration: dict) -> dict:
         log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
     results["evaluation"], results["evaluation_sets"] = evaluate(job, str(final))
     results["tau"] = results["evaluation"]["tau"]
-    write_recipe(final, training_summary(job, proof["trained"], counts.epochs), results["evaluation"])
+    quality = assess(proof["trained"], len(job.train_prompts), results["tau"], job.ended_by, job.cfg.trainer.time_budget_s)
+    results["quality"] = asdict(quality)
+    if not quality.worth_serving:
+        log.warning("this drafter is not worth serving: %s; %s", "; ".join(quality.reasons), "; ".join(quality.advice))
+    write_recipe(final, {**training_summary(job, proof["trained"], counts.epochs), "quality": results["quality"]},
+                 results["evaluation"])
     # Final values once more, fresh for whoever looks after the job: Ray drops series that
     # nobody has set for a while, and training ended before the evaluation.
     job.reporter.report()

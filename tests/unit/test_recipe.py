@@ -124,6 +124,20 @@ def test_model_card_states_what_was_measured(tiny_target, tmp_path):
     served = model_card(json.loads((final / "config.json").read_text()), TRAINING, {**EVALUATION, "backend": "vllm",
                         "lossless": None, "settings": {**EVALUATION["settings"], "method": "dspark"}})
     assert "Lossless" not in served  # not checked: not claimed
+    assert "Not worth serving" not in card  # no quality verdict given: none claimed
+
+
+def test_model_card_says_when_a_drafter_is_not_worth_serving(tiny_target, tmp_path):
+    from cluster.job.quality import assess
+
+    final = save_drafter(make_drafter(tiny_target, block_size=8), tmp_path / "final")
+    verdict = assess(192, 276, 1.055, "time_budget", 480)
+    card = model_card(json.loads((final / "config.json").read_text()),
+                      {**TRAINING, "quality": {"worth_serving": False, "reasons": verdict.reasons,
+                                               "advice": verdict.advice}}, EVALUATION)
+    head = card.split("## Training data")[0]
+    assert "**Not worth serving as trained:** it trained 192 samples, 70% of one epoch" in head
+    assert "raise trainer.time_budget_s (was 480)" in head
 
 
 def test_scripts_serve_writes_a_missing_recipe(tiny_target, tmp_path):
