@@ -173,7 +173,7 @@ class TransportConfig:
     segment_host: str = choice("node", ("node", "master"))
     segment_mb: int = ranged(2048, Range(16))  # store memory per node (or in the master); at least 16 (Mooncake)
     buffer_mb: int = ranged(256, AT_LEAST_1)
-    high_watermark: float = 0.7  # of segment_mb: producers pause above
+    high_watermark: float = 0.7  # of segment_mb (a group's share of it: cluster.scaling.capacity): producers pause above
     max_service_restarts: int = ranged(5, NON_NEGATIVE)  # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
     low_watermark: float = 0.5  # ... and resume below
 
@@ -389,15 +389,6 @@ def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:
     if cfg.trainer.precision == "auto":
         cfg.trainer.precision = "bf16-mixed" if bf16 else "fp32"
     return cfg
-
-
-def group_watermarks(cfg: JobConfig) -> dict[str, tuple[int, int]]:
-    """Per group, the stored-but-untrained bytes at which its producers pause and resume: a
-    fraction of one node's store memory (a group's samples sit on its own nodes' daemons), or
-    of the master's memory shared by the groups when the master lends it."""
-    t = cfg.transport
-    seg = (t.segment_mb << 20) // (len(cfg.topology.groups) if t.segment_host == "master" else 1)
-    return {g.name: (int(seg * t.high_watermark), int(seg * t.low_watermark)) for g in cfg.topology.groups}
 
 
 def to_yaml(cfg: JobConfig) -> str:

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.config import JobConfig, group_watermarks, to_yaml
+from cluster.config import JobConfig, to_yaml
 from cluster.control import ControlChannel, JobStopped
 from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
 from cluster.job.checkpointing import checkpoint
@@ -114,7 +114,7 @@ class TrainingJob:
 
     def start(self) -> None:
         """Placement, the store services, the ledger, every group's producers, the trainer world."""
-        from cluster.scaling import describe, place_all, replica_spec
+        from cluster.scaling import describe, group_watermarks, groups_on_nodes, place_all, replica_spec
         from cluster.inference import ReplicaPool
         from cluster.store import StoreServices
         from cluster.training import TrainerGang
@@ -124,13 +124,14 @@ class TrainingJob:
         self.placed = place_all(cfg)
         log.info("placement:\n%s", describe(self.placed))
         stop_check("the store services")
+        self.watermarks = group_watermarks(cfg, groups_on_nodes(self.placed))
         self.services = StoreServices(cfg.transport, cfg.run_name, str(self.run_dir / "logs"))
         self.services.start()
         self.services.ensure_node_stores(self.placed)
         prompts = [{"id": c.id, "messages": c.prompt_messages} for c in self.train_prompts]
         reuse = cfg.data.reuse_samples_across_epochs
         self.ledger = LedgerClient(self.ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
-            prompts, epochs=cfg.data.epochs, key_prefix=cfg.run_name, watermarks=group_watermarks(cfg),
+            prompts, epochs=cfg.data.epochs, key_prefix=cfg.run_name, watermarks=self.watermarks,
             reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0, shuffle_seed=cfg.trainer.seed,
             sample_bytes_estimate=self.max_sample_bytes))
         self.master_generation = self.services.master_info()["generation"]
@@ -157,7 +158,8 @@ class TrainingJob:
         if cfg.autoscaler.enabled:
             from cluster.scaling import AutoscaleLoop
 
-            self.autoscaler = AutoscaleLoop(cfg, self.pools, watcher_ledger, self.stats, self.control)
+            self.autoscaler = AutoscaleLoop(cfg, self.pools, watcher_ledger, self.stats, self.control,
+                                            self.watermarks)
             threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
 
     def check_resume_plan(self) -> None:

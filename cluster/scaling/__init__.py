@@ -6,7 +6,7 @@ and the capacity plan of a config before anything starts (`capacity`).
 """
 
 from cluster.scaling.autoscaler import AutoscaleLoop
-from cluster.scaling.capacity import drafter_size, target_config
+from cluster.scaling.capacity import drafter_size, group_watermarks, groups_on_nodes, target_config
 from cluster.scaling.capacity import plan as capacity_plan
 from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_topology, cluster_request, describe, place,
                                        place_all, release, replica_spec, role_specs, sort_bundles_by_node,
@@ -14,6 +14,6 @@ from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_t
 from cluster.scaling.policy import Decision, GroupState, ScalingPolicy, best_allocation, pooled_throughput, spread_ranks
 
 __all__ = ["AutoscaleLoop", "Decision", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
-           "best_allocation", "capacity_plan", "check_topology", "cluster_request", "describe", "drafter_size", "place",
+           "best_allocation", "capacity_plan", "check_topology", "cluster_request", "describe", "drafter_size", "group_watermarks", "groups_on_nodes", "place",
            "place_all", "pooled_throughput", "release", "replica_spec", "role_specs", "sort_bundles_by_node",
            "spread_ranks", "target_config", "trainer_specs"]

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from cluster.config import AutoscalerConfig, group_watermarks
+from cluster.config import AutoscalerConfig
 from cluster.metrics import Metrics
 from cluster.scaling.policy import Decision, GroupState, ScalingPolicy
 
@@ -58,10 +58,11 @@ class Autoscaler:
 class AutoscaleLoop:
     """Driver side of the autoscaler (a thread beside the training loop)."""
 
-    def __init__(self, cfg, pools: dict, ledger, stats, control) -> None:
+    def __init__(self, cfg, pools: dict, ledger, stats, control, watermarks: dict[str, tuple[int, int]]) -> None:
         import ray
 
         self.ray, self.cfg, self.pools, self.ledger, self.stats, self.control = ray, cfg, pools, ledger, stats, control
+        self.watermarks = watermarks  # the ledger's (cluster.scaling.capacity.group_watermarks)
         a = cfg.autoscaler
         gpu = any(g.gpus_per_node for g in cfg.topology.groups)
         self.unit = "GPU" if gpu else "CPU"
@@ -83,7 +84,7 @@ class AutoscaleLoop:
         w.update(trained=trained, train_s=s.train_s, wait_s=s.data_wait_s, t=now)
         per_rank = d_trained / (d_train * s.ranks) if d_train > 0 and d_trained > 0 and s.ranks else None
         out = []
-        marks = group_watermarks(self.cfg)
+        marks = self.watermarks
         for g in self.cfg.topology.groups:
             replicas = self.pools[g.name].stats()
             produced = sum(x.get("prompts", 0) for x in replicas)

@@ -17,12 +17,44 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import JobConfig, group_watermarks
+from cluster.config import JobConfig
 from cluster.config_checks import check_against_target
 from cluster.scaling.placement import node_chunks, role_specs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 GB, GIB = 1e9, 2**30
+
+
+def group_watermarks(cfg: JobConfig, groups_on_node: dict[str, set[str]] | None = None) -> dict[str, tuple[int, int]]:
+    """Per group, the stored-but-untrained bytes at which its producers pause and resume: a
+    fraction of its share of store memory. A group's samples sit on the daemons of the nodes its
+    replicas run on; groups whose replicas share a node (`groups_on_node`: node -> groups, from
+    the placement) split that node's segment by need, in proportion to how many replicas each
+    may run (`max_replicas`: what it can put in at once), a group on several nodes taking its
+    smallest share; the groups split the master's memory the same way when the master lends it.
+    Without a placement each group is taken to have its nodes to itself."""
+    t, groups = cfg.transport, cfg.topology.groups
+    need = {g.name: max(g.max_replicas, g.inference_replicas, 1) for g in groups}
+    if t.segment_host == "master":
+        groups_on_node = {"master": set(need)}
+    share = {name: 1.0 for name in need}
+    for names in (groups_on_node or {}).values():
+        total = sum(need[n] for n in names if n in need)
+        for n in names:
+            if n in need:
+                share[n] = min(share[n], need[n] / total)
+    seg = t.segment_mb << 20
+    return {n: (int(seg * share[n] * t.high_watermark), int(seg * share[n] * t.low_watermark)) for n in need}
+
+
+def groups_on_nodes(placed) -> dict[str, set[str]]:
+    """Node id -> the groups whose replicas were placed on it (`Placed` inference roles)."""
+    out: dict[str, set[str]] = {}
+    for p in placed:
+        if p.spec.role == "inference":
+            for node in set(p.bundle_nodes):
+                out.setdefault(node, set()).add(p.spec.group)
+    return out
 
 
 def size(n: float) -> str:
@@ -130,7 +162,9 @@ def plan(cfg: JobConfig) -> str:
         f"  one step: {world} ranks x {t.batch_tokens:,} tokens = {world * t.batch_tokens:,} tokens "
         f"= {size(world * t.batch_tokens * per_token)} of hidden states read",
     ]
-    marks = group_watermarks(cfg)
+    # before placement: CPU groups are taken to share one box (the local configs), GPU groups to
+    # have their nodes to themselves
+    marks = group_watermarks(cfg, {"cpu": {g.name for g in groups if not g.gpus_per_node}})
     specs = role_specs(cfg)
     for g in groups:
         nodes = nodes_used([c for sp in specs if sp.group == g.name for c, _ in node_chunks(sp)], g.gpus_per_node)
@@ -158,7 +192,8 @@ def plan(cfg: JobConfig) -> str:
                 "    network: none (the replica and the ranks share one node's store daemon)" if made else
                 "    network: whatever its ranks borrow, daemon to daemon",
             ]
-        held = f"producers pause at {high / GIB:.1f} GiB held ({cfg.transport.high_watermark} of one node's segment)"
+        held = (f"producers pause at {high / GIB:.1f} GiB held ({cfg.transport.high_watermark} of its share of one "
+                f"node's segment)")
         if cap.replica_tokens_per_s:
             held += f" = {high / per_token:,.0f} tokens"
             if g.inference_replicas:

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.integration
 def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import TrainingJob
 
-    # g0's replica is unthrottled and fills its share of the store past the low watermark
-    # (0.15 of a 64 MiB segment: 9.6 MiB, ~8 samples); g1's makes one sample a second. Producers
-    # pause at half the segment, and requests of 4 prompts keep a batch's overshoot far below
-    # Mooncake's eviction threshold (0.9 of the segment, allocator overhead included).
+    # g0's replica is unthrottled and fills its share of the store past the low watermark (the
+    # two groups share the box's 64 MiB segment, half each: 0.15 of 32 MiB = 4.8 MiB, ~4
+    # samples); g1's makes one sample a second. Producers pause at half their share, and requests
+    # of 4 prompts keep a batch's overshoot far below Mooncake's eviction threshold (0.9 of the
+    # segment, allocator overhead included).
     cfg = load_config("configs/local_2groups.yaml", [
         "run_name=two-groups", f"output_dir={tmp_path}", "inference.backend=replay", f"inference.replay_dir={replay_dir}",
         "topology.groups.1.replay_samples_per_s=1", "transport.segment_mb=64", "transport.low_watermark=0.15",
