@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
 STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
+QUARANTINE = "quarantined with "  # the error of a prompt's copies that fail because another copy did
 UNBOUNDED = (1 << 62, 1 << 61)  # (high, low) watermark bytes of a group nobody configured
 
 
@@ -35,6 +36,14 @@ class Entry:
         return f"{self.prompt_id}@{self.epoch}"
 
 
+def saved_row(e: Entry) -> dict:
+    """What a checkpoint keeps of an entry: every field but the live ones (its replica, when its
+    state began, whether it is a suspect: a resumed ledger starts them afresh)."""
+    return {"prompt_id": e.prompt_id, "epoch": e.epoch, "state": e.state, "group": e.group, "ref": e.ref,
+            "tokens": e.tokens, "nbytes": e.nbytes, "step": e.step, "rank": e.rank, "crossed": e.crossed,
+            "released": e.released, "attempts": e.attempts, "errors": list(e.errors), "trained_at_step": e.trained_at_step}
+
+
 class LedgerError(RuntimeError):
     pass
 
@@ -44,6 +53,19 @@ def trained_outside(state: dict, prompt_ids: set[str], epochs: int) -> list[str]
     and epochs would not hold: what `load_state_dict` would silently drop."""
     return sorted(f"{d['prompt_id']}@{d['epoch']}" for d in state["entries"]
                   if d["state"] == TRAINED and (d["prompt_id"] not in prompt_ids or d["epoch"] >= epochs))
+
+
+def quarantined(failed: dict[str, list[str]]) -> dict[str, dict]:
+    """Prompts given up on in every epoch: prompt id -> the sample whose failures decided it,
+    its last error, and every copy that failed."""
+    out: dict[str, dict] = {}
+    for uid, errors in sorted(failed.items()):
+        if errors and errors[-1].startswith(QUARANTINE):
+            decided, _, cause = errors[-1][len(QUARANTINE):].partition(": ")
+            out[uid.rsplit("@", 1)[0]] = {"failed": decided, "cause": cause}
+    for pid, entry in out.items():
+        entry["copies"] = sorted(u for u in failed if u.rsplit("@", 1)[0] == pid)
+    return out
 
 
 def balance(items: list[tuple[str, int]], parts: int) -> list[list[str]]:

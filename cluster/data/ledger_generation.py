@@ -47,7 +47,7 @@ class GenerationSide:
         size = t["produced_bytes"] / t["produced_samples"] if t.get("produced_samples") else self.sample_bytes_estimate
         if not size:
             return 1 << 30
-        generating = sum(e.group == group for e in self._in(GENERATING))
+        generating = self.index.count(GENERATING, group)
         free = self.watermarks.get(group, UNBOUNDED)[0] - self.queued_bytes(group) - generating * size
         return max(int(free // size), 0 if generating or self.queued_bytes(group) else 1)
 

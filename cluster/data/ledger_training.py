@@ -3,6 +3,7 @@ whose docstring tells the whole life of a sample). A mixin: it holds no state of
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 from cluster.data.ledger_entry import FAILED, LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
@@ -11,33 +12,45 @@ from cluster.data.ledger_entry import FAILED, LEASED, PENDING, STORED, TRAINED, 
 class TrainingSide:
     def peek_stored(self, n: int) -> list[dict]:
         """Up to `n` stored samples, without leasing them (e.g. to fit a vocab mapping)."""
-        return [self._row(e) for e in self._in(STORED)[:n]]
+        first = heapq.nsmallest(n, self._members[STORED], key=self.position.__getitem__)
+        return [self._row(self.entries[u]) for u in first]
 
     @staticmethod
     def _row(e: Entry) -> dict:
         return {"uid": e.uid, "ref": e.ref, "group": e.group}
 
+    def _leased_at(self, step: int) -> list[Entry]:
+        return [self.entries[u] for u in self.index.leased_at(step)]
+
     def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[dict]] | None:
         """Samples for optimizer step `step`, one list per rank (`rank_groups[r]`: rank r's
         group), assembled as the module docstring says; None when no rank gets anything.
         Re-asking for a step already leased returns the same lease."""
-        held = [e for e in self._in(LEASED) if e.step == step]
+        held = self._leased_at(step) or self._assemble(step, rank_groups, batch_tokens)
         if not held:
-            held = self._assemble(step, rank_groups, batch_tokens)
-            if not held:
-                return None
+            return None
         out: list[list[dict]] = [[] for _ in rank_groups]
         for e in sorted(held, key=lambda x: self.position[x.uid]):
             out[e.rank].append(self._row(e))
         return out
 
     def _assemble(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[Entry]:
+        """Each group's ready queue is the head of its stored samples in ledger order: those of
+        epochs up to the lease floor, or all of them while the group is full (ledger order is
+        epoch-major, so either is a prefix). Entries are taken off the index's queues as they
+        are chosen; those a step does not take go back."""
         floor = self.lease_epoch()
-        ready: dict[str, list[Entry]] = defaultdict(list)  # per group, epoch-major
-        for e in self._in(STORED):
-            if e.epoch <= floor or self.full(e.group):
-                ready[e.group].append(e)
-        queued = {g: sum(e.nbytes for e in q) for g, q in ready.items()}  # each group's ready queue, bytes
+        full = {g: self.full(g) for g in self.index.queues}
+        queues = self.index.queues
+
+        def head(g: str) -> Entry | None:
+            uid = queues[g].head() if g in queues else None
+            e = self.entries[uid] if uid is not None else None
+            return e if e is not None and (e.epoch <= floor or full[g]) else None
+
+        # each group's ready queue, bytes; the groups that have one, in the order of their heads
+        ready = sorted((g for g in queues if head(g) is not None), key=lambda g: self.position[head(g).uid])
+        queued = {g: self.index.ready_bytes(g, None if full[g] else floor) for g in ready}
         loads = [0] * len(rank_groups)
         picks: list[tuple[Entry, int]] = []
 
@@ -53,25 +66,25 @@ class TrainingSide:
         for r, g in enumerate(rank_groups):
             ranks_of[g].append(r)
         for g, ranks in ranks_of.items():  # 1. own group first: a step's worth from the head...
-            queue, chosen, total = ready.get(g, []), [], 0
-            while queue and (not chosen or total + queue[0].tokens <= batch_tokens * len(ranks)):
-                chosen.append(queue.pop(0))
-                total += chosen[-1].tokens
-            back = []
+            chosen, total = [], 0
+            while (e := head(g)) is not None and (not chosen or total + e.tokens <= batch_tokens * len(ranks)):
+                queues[g].pop()
+                chosen.append(e)
+                total += e.tokens
             for e in sorted(chosen, key=lambda x: -x.tokens):  # ...balanced largest first, within each rank's budget
                 room = [r for r in ranks if has_room(r, e)]
                 if room:
                     take(e, min(room, key=loads.__getitem__))
                 else:
-                    back.append(e)
-            queue[:0] = sorted(back, key=lambda x: self.position[x.uid])  # next step's
+                    queues[g].add(e.uid, self.position[e.uid])  # next step's
         for r, g in enumerate(rank_groups):  # 2. borrow where the own group has nothing more ready
-            if ready.get(g) or loads[r] >= batch_tokens:
+            if head(g) is not None or loads[r] >= batch_tokens:
                 continue
             for donor in sorted(ready, key=lambda d: -queued[d]):
-                queue, low = ready[donor], self.watermarks.get(donor, UNBOUNDED)[1]
-                while donor != g and queue and queued[donor] > low and has_room(r, queue[0]):
-                    take(queue.pop(0), r)
+                low = self.watermarks.get(donor, UNBOUNDED)[1]
+                while donor != g and (e := head(donor)) is not None and queued[donor] > low and has_room(r, e):
+                    queues[donor].pop()
+                    take(e, r)
         for e, rank in picks:
             self._set(e, LEASED, step=step, rank=rank, crossed=e.group != rank_groups[rank])
             nxt = self._next_epoch(e)
@@ -108,9 +121,11 @@ class TrainingSide:
         """The samples trained at `step` leave the store now (not at their commit); return
         their keys (a sample the next epoch still uses keeps its key)."""
         keys = []
-        for e in self._in(LEASED):
-            if e.step == step and not e.released and not self._shares_key_with_next(e):
+        for e in self._leased_at(step):
+            if not e.released and not self._shares_key_with_next(e):
+                self.index.remove(e)  # (its bytes leave what the group holds)
                 e.released = True
+                self.index.add(e)
                 keys.append(e.ref["key"])
         self._update_pause()
         return keys
@@ -150,17 +165,14 @@ class TrainingSide:
         non-finite loss) they are leased again as they are, FAILED after `max_attempts` such
         steps. The rest go back to stored, to be leased again."""
         why = missing if isinstance(missing, dict) else dict.fromkeys(missing, reason)
-        for e in self._in(LEASED):
-            if e.step != step:
-                continue
+        for e in self._leased_at(step):
             if e.uid in why and regenerate:
                 self._retry_or_fail(e, f"step {step}: {why[e.uid]}")
                 continue
             if e.uid in why:
                 e.errors.append(f"step {step}: {why[e.uid]}")
                 if sum(err.startswith("step ") and "non-finite" in err for err in e.errors) >= self.max_attempts:
-                    self._set(e, FAILED, step=None, rank=None, crossed=False)
-                    self.events.append({"event": "failed", "uid": e.uid, "errors": e.errors})
+                    self._fail(e, step=None, rank=None, crossed=False)
                     continue
             self._set(e, STORED, step=None, rank=None, crossed=False)
         self.events.append({"event": "lease_released", "step": step, "missing": len(why)})

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.config import ROOT
-from cluster.data import repo_path
+from cluster.data import quarantined, repo_path
 from cluster.hardware import read_cpu
 from cluster.job.checkpointing import checkpoint
 from cluster.job.quality import assess
@@ -78,6 +78,7 @@ def finish(job, calibration: dict) -> dict:
         errors = outcome["failed"][failed[0]]
         results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
         log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
+    results["quarantined"] = quarantined(outcome["failed"])
     results["evaluation"], results["evaluation_sets"] = evaluate(job, str(final))
     results["tau"] = results["evaluation"]["tau"]
     quality = assess(proof["trained"], len(job.train_prompts), results["tau"], job.ended_by, job.cfg.trainer.time_budget_s)

@@ -93,23 +93,24 @@ def kill_rank(job):
     return "rank0"
 
 
-def assert_exactly_once(result, failed=()):
+def assert_exactly_once(result, failed=(), epochs=2):
     proof = result["exactly_once"]
     assert sorted(proof["failed"]) == sorted(failed), proof["failed"]
-    expect = {e: N - sum(u.endswith(f"@{e}") for u in failed) for e in (0, 1)}
+    expect = {e: N - sum(u.endswith(f"@{e}") for u in failed) for e in range(epochs)}
     assert proof["per_epoch"] == {str(e): n for e, n in expect.items()}, proof
-    assert proof["trained"] == 2 * N - len(failed) and result["ended_by"] == "data"
+    assert proof["trained"] == epochs * N - len(failed) and result["ended_by"] == "data"
 
 
 def test_fault_combined(ray_cluster, smol_target, replay_dir, tmp_path):
     """Five faults in one run: a replica hangs on dspark-0020 (killed after 5 s); then the
     replica is killed; then, from step 6, trainer rank 0 (the world restarts from its last
-    checkpoint); dspark-0030 kills every replica that takes it (FAILED after 3 attempts, in both
-    epochs, and alone: the prompts of its batch go through); step 12's loss is NaN on rank 0 (the
-    update is skipped on every rank, its samples retried)."""
+    checkpoint); dspark-0030 kills every replica that takes it (FAILED after 3 attempts, alone:
+    the prompts of its batch go through; quarantined in both epochs); step 12's loss is NaN on
+    rank 0 (the update is skipped on every rank, its samples retried). Five replica deaths: the
+    default budget (inference.max_replica_restarts=5)."""
     job = start_job(tmp_path, replay_dir, "combined", [
         "inference.replay_hang_on=[dspark-0020]", "inference.replay_crash_on=[dspark-0030]",
-        "inference.generation_timeout_s=5", "inference.max_replica_restarts=12", "trainer.fault_nonfinite_steps=[12]",
+        "inference.generation_timeout_s=5", "trainer.fault_nonfinite_steps=[12]",
         "data.max_failed_fraction=0.05"])
     hung_killed = lambda j: any("hung" in e for e in j.pools["g0"].events) and j.pools["g0"].replicas  # noqa: E731
     result, fired = run_with(job, [(hung_killed, kill_replica), (at_step(6), kill_rank)])
@@ -119,6 +120,7 @@ def test_fault_combined(ray_cluster, smol_target, replay_dir, tmp_path):
     assert any(f"replica {fired[0]} died" in e for e in events), events
     assert any("step 12: non-finite loss on ranks [0]; update skipped" in e for e in events), events
     assert result["failed_examples"]["dspark-0030@0"][-1].startswith("replica g0-r"), result["failed_examples"]
+    assert list(result["quarantined"]) == ["dspark-0030"], result["quarantined"]
     assert_exactly_once(result, failed=["dspark-0030@0", "dspark-0030@1"])
 
 
@@ -332,18 +334,22 @@ def test_fault_hung_replica(ray_cluster, smol_target, replay_dir, tmp_path):
 
 @pytest.mark.slow
 def test_fault_poison_prompt(ray_cluster, smol_target, replay_dir, tmp_path):
+    # 3 epochs, the default restart budget (5 per group): the prompt kills the 3 replicas that
+    # take it in epoch 0, then is quarantined in all three epochs (3 deaths, not 9)
     _, result, _, events = run_one(tmp_path, replay_dir, "poison", [
-        "inference.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "inference.max_replica_restarts=8"], [])
-    assert sum("died" in e for e in events) == 6  # three attempts in each of the two epochs, no more
-    assert_exactly_once(result, failed=["dspark-0030@0", "dspark-0030@1"])
+        "inference.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "data.epochs=3"], [])
+    assert sum("died" in e for e in events) == 3
+    copies = ["dspark-0030@0", "dspark-0030@1", "dspark-0030@2"]
+    assert result["quarantined"] == {"dspark-0030": {"failed": "dspark-0030@0", "copies": copies,
+                                                     "cause": result["failed_examples"]["dspark-0030@0"][-1]}}
+    assert_exactly_once(result, failed=copies, epochs=3)
 
 
 @pytest.mark.slow
 def test_fault_poison_prompts_past_the_failure_budget_fail_the_job(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import JobFailed
 
-    job = start_job(tmp_path, replay_dir, "poison-budget", ["inference.replay_crash_on=[dspark-0030]",
-                                                           "inference.max_replica_restarts=8"])
+    job = start_job(tmp_path, replay_dir, "poison-budget", ["inference.replay_crash_on=[dspark-0030]"])
     with pytest.raises(JobFailed, match=r"2 of 80 prompt x epochs failed \(2\.5% > data\.max_failed_fraction=0\.01\), "
                                         r"e\.g\. dspark-0030@0: replica g0-r\d died while generating it"):
         job.run()

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cluster.data import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance
+from cluster.data import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance, quarantined
 from cluster.data import ExactlyOnceViolation, TrainingRecord
 from cluster.training import TrainedSample
 
@@ -306,6 +306,36 @@ def test_a_poison_prompt_fails_alone():
     assert deaths == 3 and ledger.entries["p1@0"].state == FAILED
     assert ledger.entries["p1@0"].errors == [f"replica r{i} died while generating it: segfault" for i in range(3)]
     assert all(ledger.entries[f"p{i}@0"].state == STORED for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_poison_prompt_is_quarantined_in_every_epoch(reuse):
+    # 3 epochs: p1 kills the 3 replicas that take it in epoch 0 and is given up on in all three
+    # (3 deaths, not 9); the others train every epoch; the result names the prompt and why.
+    ledger = SampleLedger(prompts(4), epochs=3, max_attempts=3, reuse_across_epochs=reuse)
+    deaths, step = 0, 0
+    while not ledger.drained() and step < 50:
+        handed = ledger.request_prompts(f"r{deaths}", 4)
+        if any(p["id"] == "p1" for p in handed):
+            ledger.replica_died(f"r{deaths}", "segfault")
+            deaths += 1
+            continue
+        ledger.report_produced(f"r{deaths}", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
+                                              for p in handed])
+        step += 1
+        if ledger.lease_step(step, ["g0"], 100) is not None:
+            ledger.commit(step)
+    assert deaths == 3
+    outcome = ledger.outcome()
+    assert sorted(outcome["trained"]) == sorted(f"p{i}@{e}" for i in (0, 2, 3) for e in range(3))
+    assert sorted(outcome["failed"]) == ["p1@0", "p1@1", "p1@2"] and not outcome["unfinished"]
+    assert quarantined(outcome["failed"]) == {
+        "p1": {"failed": "p1@0", "cause": "replica r2 died while generating it: segfault",
+               "copies": ["p1@0", "p1@1", "p1@2"]}}
+    # a later submission with more epochs resumes with the prompt still quarantined
+    resumed = SampleLedger(prompts(4), epochs=4, reuse_across_epochs=reuse)
+    resumed.load_state_dict(ledger.state_dict())
+    assert resumed.entries["p1@3"].state == FAILED and resumed.remaining_per_epoch() == [0, 0, 0, 3]
 
 
 def test_a_non_finite_step_leases_its_samples_again_without_regenerating_them():
