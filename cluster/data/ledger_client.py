@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cluster.data.ledger_counts import LedgerCounts
+from cluster.data.ledger_rows import LeasedSample, ProducedSample, PromptTask
 
 DEFAULT_TIMEOUT_S = 60.0  # one call on the ledger actor (it answers in milliseconds)
 
@@ -30,11 +31,11 @@ class LedgerClient:
         return ray.get(ref, timeout=self.timeout_s)
 
     # ---- producers --------------------------------------------------------------------------
-    def request_prompts(self, replica: str, max_n: int, group: str) -> list[dict]:
-        return self._get(self.handle.request_prompts.remote(replica, max_n, group))
+    def request_prompts(self, replica: str, max_n: int, group: str) -> list[PromptTask]:
+        return [PromptTask.from_row(r) for r in self._get(self.handle.request_prompts.remote(replica, max_n, group))]
 
-    def report_produced(self, replica: str, results: list[dict]) -> None:
-        self._get(self.handle.report_produced.remote(replica, results))
+    def report_produced(self, replica: str, results: list[ProducedSample]) -> None:
+        self._get(self.handle.report_produced.remote(replica, [r.to_row() for r in results]))
 
     def replica_died(self, replica: str, cause: str = "") -> int:
         return self._get(self.handle.replica_died.remote(replica, cause))
@@ -46,11 +47,12 @@ class LedgerClient:
         return self._get(self.handle.master_restarted.remote(generation))
 
     # ---- the training loop ------------------------------------------------------------------
-    def peek_stored(self, n: int) -> list[dict]:
-        return self._get(self.handle.peek_stored.remote(n))
+    def peek_stored(self, n: int) -> list[LeasedSample]:
+        return [LeasedSample.from_row(r) for r in self._get(self.handle.peek_stored.remote(n))]
 
-    def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[dict]] | None:
-        return self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
+    def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[LeasedSample]] | None:
+        lease = self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
+        return None if lease is None else [[LeasedSample.from_row(r) for r in rows] for rows in lease]
 
     def release_lease(self, step: int, missing: list[str] | dict[str, str], reason: str = "gone from the store",
                       regenerate: bool = True) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.data.ledger_rows import ProducedSample, PromptTask
 from cluster.inference import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry
 
@@ -72,20 +73,20 @@ class ReplayActor(Producer):
         _, waits = put_with_retry(self.store, key, sample, self.s.put_retry_s, self._stopping.is_set)
         self.totals["full_waits"] += waits
 
-    def produce(self, prompts: list[dict]) -> list[dict]:
+    def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
         reports = []
         for p in prompts:
-            self._inject_fault(p["id"])
+            self._inject_fault(p.id)
             t0 = time.perf_counter()  # per sample: the rates read mid-batch stay true
-            sample = self._sample_for(p["id"])
+            sample = self._sample_for(p.id)
             try:
-                self._put(p["key"], sample)
+                self._put(p.key, sample)
             except Exception as e:  # noqa: BLE001 - reported to the ledger, which retries
-                reports.append({"uid": p["uid"], "error": f"put: {e}"})
+                reports.append(ProducedSample(p.uid, error=f"put: {e}"))
                 self.totals["failed"] += 1
                 continue
-            ref = SampleRef.for_sample(p["key"], sample)
-            reports.append({"uid": p["uid"], "ref": ref.to_dict(), "tokens": ref.num_tokens, "nbytes": ref.nbytes})
+            ref = SampleRef.for_sample(p.key, sample)
+            reports.append(ProducedSample(p.uid, ref))
             if self.s.samples_per_s > 0:
                 time.sleep(1.0 / self.s.samples_per_s)
             self.totals["seconds"] += time.perf_counter() - t0

@@ -6,6 +6,10 @@ end): the loop idles."""
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (cluster.data imports this module: its replay backend is a Producer)
+    from cluster.data.ledger_rows import ProducedSample, PromptTask
 
 
 class Producer:
@@ -14,8 +18,8 @@ class Producer:
         self._stopping = threading.Event()  # set by stop(): an idle producer ends at once
         self.totals = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "failed": 0}
 
-    def produce(self, prompts: list[dict]) -> list[dict]:
-        """One report per prompt: {"uid", "ref", "tokens", "nbytes"} or {"uid", "error"}."""
+    def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
+        """One report per prompt: its stored sample's reference, or the error."""
         raise NotImplementedError
 
     def serve(self, ledger, batch_size: int, idle_s: float = 0.2) -> dict:

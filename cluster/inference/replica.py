@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster.config import SamplingConfig, TargetConfig
 from cluster.inference.capture_model import capture_engine_kwargs
@@ -39,6 +40,9 @@ from cluster.inference.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from cluster.waiting import wait_until
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
+
+if TYPE_CHECKING:
+    from cluster.data.ledger_rows import ProducedSample, PromptTask
 
 CONNECTOR = "MooncakeHiddenStatesConnector"
 SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
@@ -344,15 +348,12 @@ class InferenceActor(Producer):
         for r in waiting:
             r.error, r.ref = "hidden states never reached the store", None
 
-    def produce(self, prompts: list[dict]) -> list[dict]:
-        reports = []
-        for p, r in zip(prompts, self.process(prompts)):
-            if r.ref is not None:
-                ref = SampleRef.from_dict(r.ref)
-                reports.append({"uid": p["uid"], "ref": r.ref, "tokens": ref.num_tokens, "nbytes": ref.nbytes})
-            else:
-                reports.append({"uid": p["uid"], "error": r.error})
-        return reports
+    def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
+        from cluster.data.ledger_rows import ProducedSample  # (cluster.data imports this room: its replay is a Producer)
+
+        done = self.process([{"id": t.id, "messages": t.messages, "key": t.key} for t in prompts])
+        return [ProducedSample(t.uid, SampleRef.from_dict(r.ref), extra={"path": r.ref["path"]}) if r.ref is not None
+                else ProducedSample(t.uid, error=r.error) for t, r in zip(prompts, done)]
 
 
 class HeadlessEngineWorker:

@@ -13,6 +13,7 @@ import time
 
 from cluster.job.checkpointing import checkpoint
 from cluster.job.recovery import begin, resize, restart_trainer, supervise
+from cluster.data.ledger_rows import LeasedSample
 from cluster.training import StepResult, TrainerFailure
 
 log = logging.getLogger("dspark.job")
@@ -132,7 +133,7 @@ def nonfinite_step(job, step: int, per_rank: list[StepResult]) -> None:
                            f"(trainer.max_nonfinite_steps={job.cfg.trainer.max_nonfinite_steps})")
 
 
-def release_before(job, step: int, rows: list[dict]) -> list[dict]:
+def release_before(job, step: int, rows: list[LeasedSample]) -> list[LeasedSample]:
     """`trainer.release_samples=after_step`: the previous step's samples leave the store; the
     newest step's (`rows`) stay, for the final calibration, and are what is left in it."""
     keys = job.ledger.release(step - 1)

@@ -29,6 +29,7 @@ from pathlib import Path
 from cluster.config import JobConfig, to_yaml
 from cluster.control import ControlChannel, JobStopped
 from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
+from cluster.data.ledger_rows import LeasedSample
 from cluster.job.checkpointing import checkpoint
 from cluster.job.loop import train
 from cluster.job.progress import ProgressReporter, TrainingStats
@@ -65,7 +66,7 @@ class TrainingJob:
         self.trainer_pgs: list = []
         self.resume_candidate: Path | None = None  # the checkpoint a resume would start from
         self.resume_from: Path | None = None
-        self.uncommitted: list[dict] = []  # lease rows since the last commit (calibration reads the last ones)
+        self.uncommitted: list[LeasedSample] = []  # lease rows since the last commit (calibration reads the last ones)
         self.events: list[str] = []
         self.ended_by = "data"  # data | max_steps | time_budget | stop
         self.trainer_generation = 0  # bumped per trainer placement after a resize: new placement group names

@@ -15,12 +15,16 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster.errors import cause_of
 from cluster.scaling import Placed
 from cluster.training.rank_setup import TrainerSettings
 from cluster.training.step_result import StepResult
 from cluster.training.trainer_rank import TrainerRank
+
+if TYPE_CHECKING:
+    from cluster.data.ledger_rows import LeasedSample
 
 log = logging.getLogger("dspark.trainer")
 
@@ -121,18 +125,18 @@ class TrainerGang:
         self.ranks = []
 
     # ---- a step ---------------------------------------------------------------------------
-    def fetch(self, step: int, lease: list[list[dict]]) -> dict[str, str]:
+    def fetch(self, step: int, lease: list[list[LeasedSample]]) -> dict[str, str]:
         """Every rank reads its share of the step; {uid: why} for samples that cannot be trained."""
         refs = [r.fetch.remote(step, rows) for r, rows in zip(self.ranks, lease)]
         return {uid: why for bad in self._wait(refs, f"reading step {step}") for uid, why in bad.items()}
 
-    def train_step(self, step: int, lease: list[list[dict]]) -> list[StepResult]:
+    def train_step(self, step: int, lease: list[list[LeasedSample]]) -> list[StepResult]:
         """One update of the world on `lease` (already fetched): the ranks weight their losses by
         the world's token count themselves, so ranks without data need no special case."""
         return self._wait([r.train_step.remote(step) for r in self.ranks], f"step {step}")
 
     # ---- the drafter's full weights on rank 0 ------------------------------------------------
-    def calibrate(self, rows: list[dict]) -> dict:
+    def calibrate(self, rows: list[LeasedSample]) -> dict:
         """Confidence temperatures fitted on `rows` by rank 0, on the world's current weights."""
         self._gather_full_weights()  # (collective under ZeRO-3, where rank 0 holds a partition)
         return self._on_rank0(lambda r: r.calibrate.remote(rows), "calibrate")
@@ -170,7 +174,7 @@ class TrainerGang:
         """A checkpointed drafter's config and vocab mapping, what `setup` rebuilds it from."""
         return self._on_rank0(lambda r: r.read_drafter.remote(drafter_dir), "read_drafter")
 
-    def vocab_mapping(self, rows: list[dict], prompt_texts: list[str]) -> dict:
+    def vocab_mapping(self, rows: list[LeasedSample], prompt_texts: list[str]) -> dict:
         """The draft vocabulary counted on the stored samples of `rows` and the prompts' texts."""
         return self._on_rank0(lambda r: r.vocab_mapping.remote(rows, prompt_texts), "vocab_mapping")
 

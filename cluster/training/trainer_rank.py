@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from cluster.training.checkpoints import file_sizes, make_universal, publish
 from cluster.training.step_result import StepResult, TrainedSample
 from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
                                          vocab_mapping_from)
+
+if TYPE_CHECKING:
+    from cluster.data.ledger_rows import LeasedSample
 
 
 class TrainerRank:
@@ -35,7 +39,7 @@ class TrainerRank:
             os.environ.setdefault("TORCH_EXTENSIONS_DIR", settings.extensions_dir)
         self.engine = None
         self.batch = None
-        self.batch_rows: list[dict] = []
+        self.batch_rows: list[LeasedSample] = []
         self.store = None
         self.fetched_step = None
         self.faults_fired: Counter = Counter()
@@ -55,15 +59,13 @@ class TrainerRank:
         """Drop committed (or stale) samples from the store; Mooncake will not evict them."""
         return sum(self.store.remove(k) for k in keys)
 
-    def vocab_mapping(self, rows: list[dict], prompt_texts: list[str] = ()) -> dict:
+    def vocab_mapping(self, rows: list[LeasedSample], prompt_texts: list[str] = ()) -> dict:
         """Draft vocabulary before any training: the answers' tokens in the first stored samples
         (weighted up: they are what the drafter predicts) plus the tokens of every training
         prompt (cheap, and they cover the vocabulary the answers will draw on)."""
         from transformers import AutoTokenizer
 
-        from cluster.store import SampleRef
-
-        samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+        samples = self.store.get_samples([r.ref for r in rows])
         cfg = drafter_config(self.s, {})
         tok = AutoTokenizer.from_pretrained(self.s.target_path, trust_remote_code=self.s.trust_remote_code)
         pairs = [(s.token_ids, s.loss_mask) for s in samples] * 4
@@ -197,16 +199,16 @@ class TrainerRank:
     def reconnect_store(self) -> None:
         self.store.reconnect()
 
-    def fetch(self, step: int, rows: list[dict]) -> dict[str, str]:
+    def fetch(self, step: int, rows: list[LeasedSample]) -> dict[str, str]:
         """Read this rank's samples for `step`; returns {uid: why} for those that cannot be
         trained: gone from the store, corrupt (Mooncake's error or the sample's own check names
         it), or with token ids outside the target's vocabulary."""
-        from cluster.store import SampleMissing, SampleRef, StoreError, StoreUnavailable
+        from cluster.store import SampleMissing, StoreError, StoreUnavailable
         from dspark.samples import CorruptSampleError
 
         self.batch, self.batch_rows, self.fetched_step = None, [], step
         failures = (SampleMissing, CorruptSampleError, StoreError, StoreUnavailable)
-        refs = [SampleRef.from_dict(row["ref"]) for row in rows]
+        refs = [row.ref for row in rows]
         bad: dict[str, str] = {}
         try:
             # One transfer for the whole step; views into the read buffer, which `pack` copies
@@ -218,13 +220,13 @@ class TrainerRank:
                 try:
                     samples.extend(self.store.get_samples([ref]))
                 except failures as e:
-                    bad[row["uid"]] = f"{type(e).__name__}: {e}"
+                    bad[row.uid] = f"{type(e).__name__}: {e}"
         vocab = self.model.config.target_vocab_size
         if not bad:
             for row, sample in zip(rows, samples):
                 top = int(sample.token_ids.max()) if sample.num_tokens else 0
                 if top >= vocab:
-                    bad[row["uid"]] = f"token id {top} >= the target's vocabulary ({vocab})"
+                    bad[row.uid] = f"token id {top} >= the target's vocabulary ({vocab})"
         if samples and not bad:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
             dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
@@ -280,8 +282,8 @@ class TrainerRank:
             step=step, rank=self.rank, skipped=skipped, nonfinite=nonfinite,
             tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
             step_s=time.perf_counter() - t0, lr=self.scheduler.get_last_lr()[0] if self.scheduler else None,
-            batch=[r["uid"] for r in self.batch_rows],
-            trained=[] if skipped else [TrainedSample(r["uid"], r.get("group")) for r in self.batch_rows],
+            batch=[r.uid for r in self.batch_rows],
+            trained=[] if skipped else [TrainedSample(r.uid, r.group) for r in self.batch_rows],
             figures=metrics)
         self.batch, self.batch_rows = None, []
         return result
@@ -384,12 +386,11 @@ class TrainerRank:
         save_drafter(model, dest)
         return dest
 
-    def calibrate(self, rows: list[dict]) -> dict:
+    def calibrate(self, rows: list[LeasedSample]) -> dict:
         """Fit confidence temperatures on held-out samples (rank 0)."""
-        from cluster.store import SampleRef
         from dspark.training import calibrate_confidence
 
-        samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+        samples = self.store.get_samples([r.ref for r in rows])
         batches = [self.objective.pack([s]).to(dtype=torch.float32) for s in samples]
         model = self.full_drafter()
         model.float()

@@ -33,6 +33,7 @@ import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
 from cluster.store import MooncakeMaster
+from cluster.data.ledger_rows import LeasedSample
 from cluster.scaling import RoleSpec, place, release
 from cluster.store import HiddenStateStore, StoreConfig
 from cluster.training import TrainerSettings, vocab_mapping_from
@@ -90,7 +91,7 @@ def world_data(tiny_target, store_master):
                                 torch.randn(t, len(layer_ids), 64, generator=g).to(torch.bfloat16), layer_ids)
                 key = f"tw/s{s}r{r}i{i}"
                 samples[key] = sample
-                rows.append({"uid": key, "ref": writer.put_sample(key, sample).to_dict(), "group": f"g{r}"})
+                rows.append(LeasedSample(key, writer.put_sample(key, sample), f"g{r}"))
             ranks.append(rows)
         steps.append(ranks)
     writer.close()
@@ -122,7 +123,7 @@ def reference_weights(tiny_target, data, steps: int) -> dict[str, torch.Tensor]:
     objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for ranks in data["steps"][:steps]:
-        batch = objective.pack([data["samples"][row["uid"]] for rows in ranks for row in rows], dtype=torch.float32)
+        batch = objective.pack([data["samples"][row.uid] for rows in ranks for row in rows], dtype=torch.float32)
         loss, _ = objective(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from cluster.data.ledger_entry import FAILED, LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
+from cluster.data.ledger_entry import LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
 
 
 class TrainingSide:
