@@ -73,6 +73,15 @@ class ProgressReporter:
             if figures.get(k) is not None:
                 self.metrics.gauge(f"train_{k}", figures[k])
 
+    def publish_evaluation(self, evaluation: dict) -> None:
+        """The held-out evaluation's τ, overall and per category (after the job's evaluation)."""
+        for name in ("tau", "macro_tau"):
+            if evaluation.get(name) is not None:
+                self.metrics.gauge(f"heldout_{name}", evaluation[name])
+        for category, figures in evaluation.get("per_category", {}).items():
+            if figures.get("tau") is not None:
+                self.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
+
     def report(self) -> str:
         """Publish every gauge and return the progress lines."""
         try:  # only a metric: a dead daemon's samples are found missing by readers

@@ -91,12 +91,7 @@ def finish(job, calibration: dict) -> dict:
     # nobody has set for a while, and training ended before the evaluation.
     job.reporter.report()
     job.reporter.publish_train(job.stats.last)
-    for name, value in (("heldout_tau", results["tau"]), ("heldout_macro_tau", results["evaluation"]["macro_tau"])):
-        if value is not None:
-            job.metrics.gauge(name, value)
-    for category, figures in results["evaluation"]["per_category"].items():
-        if figures["tau"] is not None:
-            job.metrics.gauge("heldout_category_tau", figures["tau"], category=category)
+    job.reporter.publish_evaluation(results["evaluation"])
     results["machine"] = {"cpu": read_cpu().to_dict(), "device": job.cfg.device, "target_dtype": job.cfg.target.dtype,
                           "trainer_precision": job.cfg.trainer.precision}
     results["wall_clock_s"] = time.monotonic() - job.started  # the job, from its config to this file
