@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from cluster.data import LedgerCounts
+from cluster.job.history import RunHistory
 from cluster.metrics import Metrics
 from cluster.training import StepResult
 
@@ -52,11 +53,12 @@ def eta(stats: TrainingStats, counts: LedgerCounts, gen_rate: float) -> float:
 
 
 class ProgressReporter:
-    def __init__(self, metrics: Metrics, ledger, pools: dict, stats: TrainingStats, services, wandb_run=None) -> None:
+    def __init__(self, metrics: Metrics, ledger, pools: dict, stats: TrainingStats, services, wandb_run=None,
+                 history: RunHistory | None = None) -> None:
         import ray
 
         self.ray, self.metrics, self.ledger, self.pools, self.stats = ray, metrics, ledger, pools, stats
-        self.services, self.wandb = services, wandb_run
+        self.services, self.wandb, self.history = services, wandb_run, history
 
     def on_step(self, step: int, per_rank: list[StepResult]) -> None:
         """After every optimizer step: counters, the loss terms, wandb."""
@@ -66,6 +68,8 @@ class ProgressReporter:
         self.metrics.count("trained_tokens", sum(x.tokens for x in per_rank))
         if self.wandb is not None:
             self.wandb.log(m.scalars(), step=step)
+        if self.history is not None:
+            self.history.step(step, m.scalars())
 
     def publish_train(self, m: StepResult | None) -> None:
         figures = m.scalars() if m is not None else {}
@@ -96,10 +100,10 @@ class ProgressReporter:
         self.metrics.gauge("crossed_samples", c.crossed_samples)
         self.metrics.gauge("trainer_ranks", self.stats.ranks)
         s, m = self.stats, self.stats.last
-        gen_total, lines = 0.0, []
+        gen_total, lines, rates = 0.0, [], {}
         for name, pool in self.pools.items():
             g = c.group(name)
-            rate = sum(x["tokens_per_s"] for x in pool.stats())
+            rate = rates[name] = sum(x["tokens_per_s"] for x in pool.stats())
             gen_total += rate
             tags = {"group": name}
             self.metrics.gauge("queue_bytes", g.queued_bytes, **tags)
@@ -113,6 +117,8 @@ class ProgressReporter:
                 f"| queue {g.stored} samples {g.queued_bytes / 2**20:.0f} MiB"
                 f"{' (paused)' if g.paused else ''} | trained {g.trained_samples}, "
                 f"{g.crossed_samples} of them by another group's ranks")
+        if self.history is not None:
+            self.history.progress(s.step, rates, s.data_wait_s, s.train_s)
         left = eta(s, c, gen_total)
         failed = f", {c.failed} failed" if c.failed else ""
         skipped = f", {s.skipped_steps} skipped (non-finite)" if s.skipped_steps else ""

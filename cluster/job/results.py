@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from cluster.config import ROOT
 from cluster.data import quarantined, repo_path
 from cluster.hardware import read_cpu
 from cluster.job.checkpointing import checkpoint
+from cluster.job.history import read_history
+from cluster.job.plots import plot_run
 from cluster.job.quality import assess
 from cluster.job.settings import cpu_engine_env, inference_settings
 from dspark.recipe import write_recipe
@@ -52,6 +55,25 @@ def stopped(job, reason: str) -> dict:
 
 
 
+def pictures(job, final: Path, results: dict) -> dict[str, str]:
+    """The run's pictures (`cluster.job.plots`) from its history and evaluations; with wandb on,
+    the same pictures, the evaluation's τ and the drafter (an artifact) go to the run too."""
+    evaluations = {"held-out": results["evaluation"], **results["evaluation_sets"]}
+    drawn = plot_run(job.run_dir / "plots", read_history(job.history.path), evaluations)
+    if job.wandb is not None:
+        try:
+            import wandb
+
+            job.wandb.log({f"plots/{name}": wandb.Image(d["path"]) for name, d in drawn.items()})
+            job.wandb.summary.update({f"eval/{name}/tau": e.get("tau") for name, e in evaluations.items()})
+            artifact = wandb.Artifact(re.sub(r"[^A-Za-z0-9_.-]", "_", f"drafter-{job.cfg.run_name}"), type="model")
+            artifact.add_dir(str(final))
+            job.wandb.log_artifact(artifact)
+        except Exception as e:  # noqa: BLE001 - wandb is a mirror of result.json, not worth the job
+            log.warning("wandb: the pictures, evaluation or drafter were not logged: %r", e)
+    return {name: d["path"] for name, d in drawn.items()}
+
+
 def finish(job, calibration: dict) -> dict:
     outcome = job.ledger.outcome()
     proof = job.record.verify(outcome, complete=job.ended_by == "data")
@@ -81,6 +103,7 @@ def finish(job, calibration: dict) -> dict:
     results["quarantined"] = quarantined(outcome["failed"])
     results["evaluation"], results["evaluation_sets"] = evaluate(job, str(final))
     results["tau"] = results["evaluation"]["tau"]
+    results["plots"] = pictures(job, final, results)
     quality = assess(proof["trained"], len(job.train_prompts), results["tau"], job.ended_by, job.cfg.trainer.time_budget_s)
     results["quality"] = asdict(quality)
     if not quality.worth_serving:

@@ -31,6 +31,7 @@ from cluster.control import ControlChannel, JobStopped
 from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
 from cluster.data.ledger_rows import LeasedSample
 from cluster.job.checkpointing import checkpoint
+from cluster.job.history import RunHistory
 from cluster.job.loop import train
 from cluster.job.progress import ProgressReporter, TrainingStats
 from cluster.job.recovery import check_resume_plan, restart_trainer, restore_data_state
@@ -92,6 +93,10 @@ class TrainingJob:
         self.train_prompts, self.heldout = load_prompts(self.cfg)
         check_eval_sets(self.cfg, self.train_prompts)
         check_resume_plan(self)
+        # the figures over time, for the end-of-job pictures; a resumed run goes on with its own
+        self.history = RunHistory(self.run_dir / "history.jsonl", self.started)
+        if self.resume_candidate is None:
+            self.history.path.unlink(missing_ok=True)
         est_tokens = len(self.train_prompts) * self.cfg.data.epochs * (96 + 0.6 * self.cfg.sampling.max_tokens)
         world = sum(g.trainer_ranks for g in self.cfg.topology.groups)
         self.total_steps = self.cfg.trainer.max_steps or max(10, int(est_tokens / (self.cfg.trainer.batch_tokens * world)))
@@ -153,7 +158,8 @@ class TrainingJob:
                     pool.start(p)
             self.pools[g.name] = pool
         self.stats.ranks, self.stats.layout = self.gang.size, self.gang.layout()
-        self.reporter = ProgressReporter(self.metrics, watcher_ledger, self.pools, self.stats, self.services, self.wandb)
+        self.reporter = ProgressReporter(self.metrics, watcher_ledger, self.pools, self.stats, self.services, self.wandb,
+                                         self.history)
         threading.Thread(target=self.reporter.loop, args=(self.stop_event, cfg.logging.progress_interval_s),
                          daemon=True, name="progress").start()
         if cfg.autoscaler.enabled:

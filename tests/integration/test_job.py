@@ -82,6 +82,19 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
         mine = [r for r in evaluated if r["category"] == cat]
         steps = sum(r["steps"] for r in mine)
         assert c["tau"] == pytest.approx((steps + sum(r["accepted"] for r in mine)) / steps)
+    # The pictures, drawn from the run's history (a row per step) and its evaluation.
+    from cluster.job.history import read_history
+    from cluster.job.plots import plot_data
+
+    history = read_history(run / "history.jsonl")
+    assert [r["step"] for r in history if r["kind"] == "step"] == list(range(1, result["steps"] + 1))
+    assert sorted(result["plots"]) == ["acceptance", "generation", "tau_per_category", "training"]
+    assert all(Path(p).read_bytes().startswith(b"\x89PNG") for p in result["plots"].values())
+    drawn = plot_data(history, {"held-out": ev, "ood": ood})
+    measured = sorted(c for c, f in ev["per_category"].items() if f["tau"] is not None)
+    assert drawn["tau_per_category"]["tau per category: held-out"]["tau"] == (
+        measured, [ev["per_category"][c]["tau"] for c in measured])
+    assert drawn["acceptance"]["acceptance per draft position"]["eval ood"][1] == ood["per_position_acceptance"]
     # The serving recipe and model card ship with the drafter.
     card = (Path(result["drafter"]) / "README.md").read_text()
     assert "| category |" in card and f"{ev['macro_tau']:.3f}" in card
