@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     if report:
         log.info("confidence calibration: temperatures %s, ECE %s -> %s",
                  [round(t, 2) for t in report["temperatures"]],
-                 [round(e, 3) for e in report["ece_before"]], [round(e, 3) for e in report["ece_after"]])
+                 [round(e, 3) for e in report["fit_ece_before"]], [round(e, 3) for e in report["fit_ece_after"]])
     save_drafter(model, out / "final")
     summary = {"steps": step, "train_samples": len(train_files), "heldout_samples": len(held_files),
                "corrupt_samples": reader.corrupt, "calibration": report, "final": str(out / "final")}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from .calibration import sequential_temperature_scaling
+from .calibration import sequential_temperature_scaling, survival_ece
 from .losses import LossWeights, draft_slot_index, drafter_loss, loss_counts, target_probs_on_draft_vocab
 from .model import DSparkDrafter
 from .samples import PackedBatch, Sample, pack
@@ -152,10 +152,9 @@ class DrafterObjective:
 
 
 @torch.no_grad()
-def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], num_anchors: int, seed: int = 0) -> dict:
-    """Fit per-slot confidence temperatures on held-out blocks and store them in the config."""
-    if model.confidence_head is None:
-        return {}
+def confidence_data(model: DSparkDrafter, batches: Iterable[PackedBatch], num_anchors: int, seed: int = 0):
+    """The confidence head's logits `[M, K]`, the analytic acceptance of each draft slot (the
+    labels) and which slots are valid, over the blocks of `batches`; None without a block."""
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     slots = draft_slot_index(cfg.block_size, cfg.slot_shift) >= 0
@@ -177,8 +176,25 @@ def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], n
         labels.append(accept[:, slots])
         valid.append(out.valid[:, slots])
     model.train(was_training)
-    if not logits:
+    return (torch.cat(logits), torch.cat(labels), torch.cat(valid)) if logits else None
+
+
+def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], num_anchors: int, seed: int = 0,
+                         measure_on: Iterable[PackedBatch] = ()) -> dict:
+    """Fit per-slot confidence temperatures on held-out blocks (`batches`) and store them in the
+    config; with `measure_on` (other held-out blocks: the evaluation split), the calibration
+    error there before and after (`ece_before`/`ece_after`; on the fitted blocks themselves:
+    `fit_ece_before`/`fit_ece_after`)."""
+    if model.confidence_head is None:
         return {}
-    temps, before, after = sequential_temperature_scaling(torch.cat(logits), torch.cat(labels), torch.cat(valid))
-    cfg.confidence_temperatures = temps
-    return {"temperatures": temps, "ece_before": before, "ece_after": after}
+    fit = confidence_data(model, batches, num_anchors, seed)
+    if fit is None:
+        return {}
+    temps, before, after = sequential_temperature_scaling(*fit)
+    model.config.confidence_temperatures = temps
+    report = {"temperatures": temps, "fit_blocks": int(fit[0].shape[0]), "fit_ece_before": before, "fit_ece_after": after}
+    measured = confidence_data(model, measure_on, num_anchors, seed)
+    if measured is not None:
+        report.update(measured_blocks=int(measured[0].shape[0]), ece_before=survival_ece(*measured),
+                      ece_after=survival_ece(*measured, temperatures=temps))
+    return report

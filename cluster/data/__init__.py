@@ -13,10 +13,10 @@ from cluster.data.ledger_client import LedgerClient
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts, Totals
 from cluster.data.ledger_entry import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, balance,
                                        quarantined, trained_outside)
-from cluster.data.prompts import check_eval_sets, load_prompts, repo_path
+from cluster.data.prompts import calibration_split, check_eval_sets, load_prompts, repo_path
 from cluster.data.record import ExactlyOnceViolation, TrainingRecord
 from cluster.data.replay import ReplayActor, ReplaySettings
 
 __all__ = ["FAILED", "GroupCounts", "LedgerClient", "LedgerCounts", "Totals", "LEASED", "PENDING", "STORED", "TRAINED", "ExactlyOnceViolation", "LedgerError", "ReplayActor",
-           "ReplaySettings", "SampleLedger", "TrainingRecord", "balance", "check_eval_sets", "load_prompts",
+           "ReplaySettings", "SampleLedger", "TrainingRecord", "balance", "calibration_split", "check_eval_sets", "load_prompts",
            "quarantined", "repo_path", "trained_outside"]

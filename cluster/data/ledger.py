@@ -36,6 +36,12 @@ rank of the one data-parallel world leases from it.
   re-leased as is).
 - Plan: `shorten(n)` drops the epochs from n on, before any of them has begun, as if never
   planned (a time budget that will not fit them: `cluster.training.budget`).
+- Reserved prompts (`reserved`: the calibration split and the held-out prompts the confidence
+  head is measured on) are generated like the others, once epoch 0 has been handed out (when a
+  replica would otherwise idle), but never leased: the job reads them at its end
+  (`reserved_rows`). They are not in the plan (per-state counts, the exactly-once outcome,
+  checkpoints: a resumed job generates them again) but their bytes count against their group's
+  store like any sample's.
 - Backpressure, per group (a group's samples fill its own nodes' store memory): its producers
   are told to pause once its stored-but-untrained bytes pass its high watermark and resume
   under its low one.
@@ -61,8 +67,8 @@ import random
 import time
 from collections import Counter, defaultdict
 
-from cluster.data.ledger_entry import (FAILED, GENERATING, LEASED, PENDING, QUARANTINE, STATES, STORED, TRAINED,
-                                       UNBOUNDED, Entry, LedgerError, saved_row)
+from cluster.data.ledger_entry import (FAILED, GENERATING, LEASED, PENDING, QUARANTINE, RESERVED, STATES, STORED,
+                                       TRAINED, UNBOUNDED, Entry, LedgerError, saved_row)
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts
 from cluster.data.ledger_generation import GenerationSide
 from cluster.data.ledger_index import LedgerIndex, rebuilt
@@ -85,13 +91,14 @@ class SampleLedger(GenerationSide, TrainingSide):
         reuse_across_epochs: bool = False,
         shuffle_seed: int = 0,
         sample_bytes_estimate: int = 0,
+        reserved: list[dict] = (),
     ) -> None:
         """`watermarks`: group → (high, low) bytes of stored-but-untrained samples; groups not
         listed never pause. `sample_bytes_estimate`: a sample's size until the group has stored
         some (an upper bound keeps the first request small); 0: prompts in generation are not
         counted against the watermark."""
         ids = [p["id"] for p in prompts]
-        if len(set(ids)) != len(ids):
+        if len(set(ids + [p["id"] for p in reserved])) != len(ids) + len(reserved):
             dup = [k for k, n in Counter(ids).items() if n > 1][:5]
             raise LedgerError(f"prompt ids must be unique; duplicated: {dup}")
         self.key_prefix, self.epochs = key_prefix, epochs
@@ -121,6 +128,14 @@ class SampleLedger(GenerationSide, TrainingSide):
                 self._members[PENDING][entry.uid] = None
                 self._pending[e][entry.uid] = None
                 self._per_epoch[(PENDING, e)] += 1
+        self._reserved_members: dict[str, dict[str, None]] = {s: {} for s in STATES}  # (as _members, for reserved)
+        self._pending[RESERVED] = {}
+        for p in reserved:
+            entry = Entry(p["id"], RESERVED)
+            self.messages[p["id"]] = p["messages"]
+            self.position[entry.uid] = len(self.position)  # (after every planned entry)
+            self.entries[entry.uid] = entry
+            self._reserved_members[PENDING][entry.uid] = self._pending[RESERVED][entry.uid] = None
         self.index = LedgerIndex(self.position)  # (every entry is pending: nothing to index yet)
         self.watermarks = dict(watermarks or {})
         self.max_attempts = max_attempts
@@ -143,8 +158,9 @@ class SampleLedger(GenerationSide, TrainingSide):
         self.index.add(e)
         if state == old:
             return
-        del self._members[old][e.uid]
-        self._members[state][e.uid] = None
+        members = self._reserved_members if e.epoch == RESERVED else self._members
+        del members[old][e.uid]
+        members[state][e.uid] = None
         self._per_epoch[(old, e.epoch)] -= 1
         self._per_epoch[(state, e.epoch)] += 1
         if old == PENDING:
@@ -162,7 +178,8 @@ class SampleLedger(GenerationSide, TrainingSide):
     def _in(self, *states: str) -> list[Entry]:
         """Entries in these states, in ledger order (epoch-major). For the states that hold
         what is in flight (few); pending and trained ones have their own indexes."""
-        uids = sorted((u for s in states for u in self._members[s]), key=self.position.__getitem__)
+        uids = sorted((u for s in states for members in (self._members, self._reserved_members) for u in members[s]),
+                      key=self.position.__getitem__)
         return [self.entries[u] for u in uids]
 
     def _first_epoch_with(self, *states: str) -> int:
@@ -264,8 +281,9 @@ class SampleLedger(GenerationSide, TrainingSide):
             for s in STATES:
                 self._per_epoch.pop((s, e), None)
         self.order = [u for u in self.order if u in self.entries]
-        self.position = {u: i for i, u in enumerate(self.order)}
-        self.index = rebuilt((self.entries[u] for u in self.order), self.position)
+        reserved = [u for u, e in self.entries.items() if e.epoch == RESERVED]
+        self.position = {u: i for i, u in enumerate([*self.order, *reserved])}
+        self.index = rebuilt(self.entries.values(), self.position)
         self.events.append({"event": "shortened", "from": self.epochs, "to": epochs, "dropped": len(dropped)})
         self.epochs = epochs
         self._update_pause()
@@ -288,7 +306,7 @@ class SampleLedger(GenerationSide, TrainingSide):
             )
         return LedgerCounts(
             **{s: len(self._members[s]) for s in STATES},
-            total=len(self.entries),
+            total=len(self.order),  # (the plan: reserved entries are not in it)
             queued_bytes=self.queued_bytes(),
             paused=any(self.full(g) for g in self.groups()),
             oldest_lease_s=max(leases) if leases else 0.0,
@@ -302,7 +320,7 @@ class SampleLedger(GenerationSide, TrainingSide):
     def to_generate(self) -> int:
         """Samples still to be generated (with reuse, a later epoch's pending entry is not one
         unless its previous epoch ended without a sample it could inherit)."""
-        n = len(self._members[GENERATING])
+        n = len(self._members[GENERATING]) + len(self._pending[RESERVED]) + len(self._reserved_members[GENERATING])
         if not self.reuse:
             return n + len(self._members[PENDING])
         return n + len(self._pending.get(0, {})) + len(self._orphans)

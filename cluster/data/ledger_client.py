@@ -50,6 +50,12 @@ class LedgerClient:
     def peek_stored(self, n: int) -> list[LeasedSample]:
         return [LeasedSample.from_row(r) for r in self._get(self.handle.peek_stored.remote(n))]
 
+    def reserved_rows(self) -> list[LeasedSample]:
+        return [LeasedSample.from_row(r) for r in self._get(self.handle.reserved_rows.remote())]
+
+    def reserved_waiting(self) -> int:
+        return self._get(self.handle.reserved_waiting.remote())
+
     def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[LeasedSample]] | None:
         lease = self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
         return None if lease is None else [[LeasedSample.from_row(r) for r in rows] for rows in lease]

@@ -3,7 +3,7 @@ whose docstring tells the whole life of a sample). A mixin: it holds no state of
 
 from __future__ import annotations
 
-from cluster.data.ledger_entry import GENERATING, PENDING, STORED, UNBOUNDED, Entry
+from cluster.data.ledger_entry import GENERATING, PENDING, RESERVED, STORED, UNBOUNDED, Entry
 
 
 class GenerationSide:
@@ -53,12 +53,16 @@ class GenerationSide:
 
     def _generation_candidates(self):
         """Pending entries to generate next: the current epoch's; with reuse, epoch 0's and the
-        later-epoch entries with no sample to inherit (the others get their previous epoch's)."""
+        later-epoch entries with no sample to inherit (the others get their previous epoch's);
+        the reserved ones once epoch 0 is handed out."""
+        # reserved prompts once epoch 0 is handed out: before the later epochs, when a replica
+        # would otherwise idle
+        reserved = self._pending[RESERVED] if not self._pending.get(0) else {}
         if not self.reuse:
             epoch = self.current_epoch()
-            pools = [self._pending[epoch]] if epoch < self.epochs else []
+            pools = [reserved, self._pending[epoch]] if epoch < self.epochs else [reserved]
         else:
-            pools = [self._pending.get(0, {}), self._orphans]
+            pools = [self._pending.get(0, {}), reserved, self._orphans]
         for pool in pools:
             for uid in pool:
                 yield self.entries[uid]

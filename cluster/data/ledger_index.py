@@ -5,8 +5,10 @@ of the data set: a job of 10^6 prompts × 3 epochs holds 3·10^6 entries, and th
 `LedgerIndex` follows every entry through its states (the ledger calls `remove(e)` before it
 changes an entry and `add(e)` after) and keeps:
 
-- per (state, group), how many entries are generating, stored or leased;
-- per group, the stored samples in ledger order (`StoredQueue`) and, per epoch, their bytes:
+- per (state, group), how many entries are generating, stored or leased (reserved ones too:
+  they hold store bytes like the others);
+- per group, the stored samples that can be leased in ledger order (`StoredQueue`) and, per
+  epoch, their bytes:
   a step's assembly takes the head of each group's queue, the deepest queue lends first;
 - per group, the store bytes held by untrained samples (`HeldBytes`), a reused sample counted
   once however many entries share its key (its lease and its next epoch's entry);
@@ -22,7 +24,7 @@ import heapq
 import itertools
 from collections import Counter, defaultdict
 
-from cluster.data.ledger_entry import GENERATING, LEASED, STORED, Entry
+from cluster.data.ledger_entry import GENERATING, LEASED, RESERVED, STORED, Entry
 
 LIVE = (GENERATING, STORED, LEASED)  # the states that place an entry in a group
 
@@ -117,7 +119,7 @@ class LedgerIndex:
         if e.state not in LIVE:
             return
         self.live[(e.state, e.group)] += 1
-        if e.state == STORED:
+        if e.state == STORED and e.epoch != RESERVED:  # (reserved: never leased)
             self.queues[e.group].add(e.uid, self.position[e.uid])
             self.stored_bytes[(e.group, e.epoch)] += e.nbytes
         elif e.state == LEASED:
@@ -130,7 +132,7 @@ class LedgerIndex:
         if e.state not in LIVE:
             return
         self.live[(e.state, e.group)] -= 1
-        if e.state == STORED:
+        if e.state == STORED and e.epoch != RESERVED:
             self.queues[e.group].discard(e.uid)
             self.stored_bytes[(e.group, e.epoch)] -= e.nbytes
         elif e.state == LEASED:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from cluster.data.ledger_entry import LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
+from cluster.data.ledger_entry import GENERATING, LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
 
 
 class TrainingSide:
@@ -14,6 +14,16 @@ class TrainingSide:
         """Up to `n` stored samples, without leasing them (e.g. to fit a vocab mapping)."""
         first = heapq.nsmallest(n, self._members[STORED], key=self.position.__getitem__)
         return [self._row(self.entries[u]) for u in first]
+
+    def reserved_rows(self) -> list[dict]:
+        """The reserved samples stored so far (the calibration split and the held-out prompts the
+        confidence head is measured on), in the order they were given."""
+        stored = sorted(self._reserved_members[STORED], key=self.position.__getitem__)
+        return [self._row(self.entries[u]) for u in stored]
+
+    def reserved_waiting(self) -> int:
+        """Reserved samples neither stored nor given up on."""
+        return sum(len(self._reserved_members[s]) for s in (PENDING, GENERATING))
 
     @staticmethod
     def _row(e: Entry) -> dict:

@@ -49,6 +49,19 @@ def load_prompts(cfg: JobConfig):
     return train, held
 
 
+def calibration_split(heldout: list, eval_limit: int | None, n: int) -> tuple[list, list]:
+    """(calibration prompts, evaluated prompts) of the held-out split: the evaluation takes
+    `eval_limit` round-robin over categories (as `dspark.evaluate` and the served evaluation
+    do); the calibration split is the next `n` of the rest, taken the same way. Neither is
+    trained on, and the two never share a prompt."""
+    from dspark.tau_report import stratified
+
+    evaluated = stratified(heldout, lambda c: c.category, eval_limit)
+    taken = {c.id for c in evaluated}
+    rest = [c for c in heldout if c.id not in taken]
+    return (stratified(rest, lambda c: c.category, n) if n else []), evaluated
+
+
 def check_eval_sets(cfg: JobConfig, train) -> None:
     """Every `data.eval_sets` file reads, has prompts, and shares none with the training prompts
     (a set trained on would measure memory, not generalisation)."""

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from cluster.config import JobConfig, to_yaml
 from cluster.control import ControlChannel, JobStopped
-from cluster.data import LedgerClient, SampleLedger, TrainingRecord, check_eval_sets, load_prompts
+from cluster.data import LedgerClient, SampleLedger, TrainingRecord, calibration_split, check_eval_sets, load_prompts
 from cluster.data.ledger_rows import LeasedSample
+from cluster.job.calibration import calibrate_head, reserved_prompts
 from cluster.job.checkpointing import checkpoint
 from cluster.job.history import RunHistory
 from cluster.job.loop import train
@@ -92,6 +93,9 @@ class TrainingJob:
             len(self.layer_ids) * tcfg.hidden_size * (4 if self.cfg.target.dtype == "float32" else 2) + 5)
         self.train_prompts, self.heldout = load_prompts(self.cfg)
         check_eval_sets(self.cfg, self.train_prompts)
+        head = self.cfg.drafter.enable_confidence_head and self.cfg.drafter.mode == "dspark"
+        self.calibration_prompts, self.evaluated_prompts = calibration_split(
+            self.heldout, self.cfg.data.eval_limit, self.cfg.data.calibration_prompts if head else 0)
         check_resume_plan(self)
         # the figures over time, for the end-of-job pictures; a resumed run goes on with its own
         self.history = RunHistory(self.run_dir / "history.jsonl", self.started)
@@ -139,7 +143,8 @@ class TrainingJob:
         self.ledger = LedgerClient(self.ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
             prompts, epochs=cfg.data.epochs, key_prefix=cfg.run_name, watermarks=self.watermarks,
             reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0, shuffle_seed=cfg.trainer.seed,
-            sample_bytes_estimate=self.max_sample_bytes))
+            sample_bytes_estimate=self.max_sample_bytes,
+            reserved=reserved_prompts(self.calibration_prompts, self.evaluated_prompts) if self.calibration_prompts else []))
         self.master_generation = self.services.master_info()["generation"]
         self.trainer_pgs = [p for p in self.placed if p.spec.role == "trainer"]
         stop_check("the trainer world")
@@ -176,13 +181,12 @@ class TrainingJob:
 
     def finalize(self) -> dict:
         """The reporter and the autoscaler threads stop; the confidence head is calibrated on the
-        last, uncommitted samples (never trained twice: calibration only reads); the final
-        checkpoint commits them; then the producers stop (after: a world that fails here restarts
-        from the last checkpoint, and samples it had released are generated again)."""
+        calibration split (`cluster.job.calibration`); the final checkpoint commits the last
+        samples; then the producers stop (after: they generate the calibration samples, and a
+        world that fails here restarts from the last checkpoint, its released samples generated
+        again)."""
         self.stop_event.set()
-        calib = {}
-        if self.uncommitted and self.cfg.drafter.enable_confidence_head and self.cfg.drafter.mode == "dspark":
-            calib = self.gang.calibrate(self.uncommitted[-32:])
+        calib = calibrate_head(self)
         checkpoint(self)
         self.final_replicas = {name: len(pool) for name, pool in self.pools.items()}
         for pool in self.pools.values():

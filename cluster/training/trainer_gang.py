@@ -136,10 +136,11 @@ class TrainerGang:
         return self._wait([r.train_step.remote(step) for r in self.ranks], f"step {step}")
 
     # ---- the drafter's full weights on rank 0 ------------------------------------------------
-    def calibrate(self, rows: list[LeasedSample]) -> dict:
-        """Confidence temperatures fitted on `rows` by rank 0, on the world's current weights."""
+    def calibrate(self, rows: list[LeasedSample], measure_on: list[LeasedSample] = ()) -> dict:
+        """Confidence temperatures fitted on `rows` by rank 0, on the world's current weights,
+        and the calibration error before and after on `measure_on`."""
         self._gather_full_weights()  # (collective under ZeRO-3, where rank 0 holds a partition)
-        return self._on_rank0(lambda r: r.calibrate.remote(rows), "calibrate")
+        return self._on_rank0(lambda r: r.calibrate.remote(rows, list(measure_on)), "calibrate")
 
     def export(self, dest: str, confidence_temperatures: list[float] | None, verifier: str | None) -> str:
         """Rank 0 writes the drafter (speculators format) to `dest`."""

@@ -386,12 +386,13 @@ class TrainerRank:
         save_drafter(model, dest)
         return dest
 
-    def calibrate(self, rows: list[LeasedSample]) -> dict:
-        """Fit confidence temperatures on held-out samples (rank 0)."""
+    def calibrate(self, rows: list[LeasedSample], measure_on: list[LeasedSample] = ()) -> dict:
+        """Fit confidence temperatures on held-out samples and measure them on others (rank 0)."""
         from dspark.training import calibrate_confidence
 
-        samples = self.store.get_samples([r.ref for r in rows])
-        batches = [self.objective.pack([s]).to(dtype=torch.float32) for s in samples]
+        def batches(of):
+            return [self.objective.pack([s]).to(dtype=torch.float32) for s in self.store.get_samples([r.ref for r in of])]
+
         model = self.full_drafter()
         model.float()
-        return calibrate_confidence(model, batches, self.objective.num_anchors)
+        return calibrate_confidence(model, batches(rows), self.objective.num_anchors, measure_on=batches(measure_on))

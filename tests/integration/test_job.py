@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # seen (3 prompts each), 4 epochs of 512-token steps after a short warm-up.
 SMALL = ["data.epochs=4", "sampling.max_tokens=48", "trainer.checkpoint_interval=6", "data.eval_limit=3",
          "data.eval_max_new_tokens=32", "logging.progress_interval_s=5", "transport.segment_mb=256",
-         "data.max_prompts_per_category=3", "trainer.batch_tokens=512", "trainer.warmup_steps=4"]
+         "data.max_prompts_per_category=3", "trainer.batch_tokens=512", "trainer.warmup_steps=4",
+         "data.calibration_prompts=6"]
 
 
 def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:
@@ -82,6 +83,12 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
         mine = [r for r in evaluated if r["category"] == cat]
         steps = sum(r["steps"] for r in mine)
         assert c["tau"] == pytest.approx((steps + sum(r["accepted"] for r in mine)) / steps)
+    # The confidence head, calibrated on 6 held-out prompts nobody trained on or evaluated, its
+    # calibration error measured before and after on the 3 evaluated ones.
+    calibration = result["calibration"]
+    assert calibration["calibration_prompts"] == 6 and calibration["measured_on_prompts"] == 3, calibration
+    assert len(calibration["temperatures"]) == len(calibration["ece_before"]) == len(calibration["ece_after"]) > 0
+    assert not set(calibration["prompt_ids"]) & ({r["prompt"] for r in rows} | {r["id"] for r in evaluated})
     # The pictures, drawn from the run's history (a row per step) and its evaluation.
     from cluster.job.history import read_history
     from cluster.job.plots import plot_data

@@ -25,3 +25,34 @@ def test_valid_mask_ignores_truncated_blocks():
     valid[:, 2] = False
     temps, _, _ = sequential_temperature_scaling(z, acc, valid)
     assert temps[2] == 1.0
+
+
+def test_temperatures_fitted_on_one_split_help_on_another():
+    """Two independent draws of the same over-confident head: fitted on the first, the survival
+    ECE measured on the second drops, and on the fitted split it equals what the fit reports.
+    The ECE is recomputed here from its definition (equal-width bins, |mean confidence − mean
+    outcome| weighted by the bin's share) as an independent check of `survival_ece`."""
+    from dspark.calibration import survival_ece
+
+    def draw(seed):
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(20000, 3, generator=g) * 1.5 + 1.0
+        return 2.5 * z, (torch.rand(20000, 3, generator=g) < torch.sigmoid(z)).float()
+
+    (fit_logits, fit_acc), (other_logits, other_acc) = draw(0), draw(1)
+    temps, before, after = sequential_temperature_scaling(fit_logits, fit_acc)
+    assert survival_ece(fit_logits, fit_acc) == before
+    assert survival_ece(fit_logits, fit_acc, temperatures=temps) == after
+    measured_before = survival_ece(other_logits, other_acc)
+    measured_after = survival_ece(other_logits, other_acc, temperatures=temps)
+    assert all(a < 0.5 * b for a, b in zip(measured_after, measured_before))
+
+    def ece(pred, label, bins=15):
+        idx = torch.clamp((pred * bins).long(), max=bins - 1)
+        return sum(float((pred[idx == b].mean() - label[idx == b].mean()).abs()) * int((idx == b).sum()) / len(pred)
+                   for b in range(bins) if (idx == b).any())
+
+    survive = torch.cumprod(other_acc, dim=1)
+    prefix = torch.cumprod(torch.sigmoid(other_logits / torch.tensor(temps)), dim=1)
+    for j in range(3):
+        assert abs(measured_after[j] - ece(prefix[:, j], survive[:, j])) < 1e-4

@@ -364,3 +364,45 @@ def test_a_batch_never_overfills_the_store():
     ledger.replica_died("r0")  # its 8 go back (to be retried alone, after the others)
     third = ledger.request_prompts("r1", 16)
     assert len(third) == 8 and not {p["uid"] for p in third} & {p["uid"] for p in second}
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
+    # Two reserved prompts (a calibration split): handed out once epoch 0 is, before epoch 1's
+    # prompts; stored but never leased; outside the plan's counts and outcome, inside the
+    # group's store bytes; a replica death sends them back like any prompt; a resume regenerates them.
+    ledger = SampleLedger(prompts(3), epochs=2, reuse_across_epochs=reuse,
+                          reserved=[{"id": f"cal{i}", "messages": []} for i in range(2)])
+    first = ledger.request_prompts("r0", 3)
+    # still to generate: 3 in generation, 2 reserved (and without reuse, epoch 1's 3)
+    assert [p["uid"] for p in first] == ["p0@0", "p1@0", "p2@0"] and ledger.to_generate() == (5 if reuse else 8)
+    second = ledger.request_prompts("r1", 10)  # (epoch 1 waits for epoch 0's answers)
+    assert [p["uid"] for p in second] == ["cal0@-1", "cal1@-1"]
+    ledger.replica_died("r1")
+    assert ledger.reserved_waiting() == 2 and ledger.reserved_rows() == []
+    third = ledger.request_prompts("r2", 1)  # retried alone, as any prompt of a dead replica
+    assert [p["uid"] for p in third] == ["cal0@-1"]
+    report = lambda handed: [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 100} for p in handed]  # noqa: E731
+    ledger.report_produced("r0", report(first))
+    ledger.report_produced("r2", report(third))
+    ledger.report_produced("r3", report(ledger.request_prompts("r3", 1)))
+    assert [r["uid"] for r in ledger.reserved_rows()] == ["cal0@-1", "cal1@-1"] and ledger.reserved_waiting() == 0
+    assert ledger.queued_bytes("g0") == 5 * 100 and ledger.counts().stored == 3 and ledger.counts().total == 6
+    step = 0
+    while not ledger.drained():
+        if not reuse:
+            ledger.report_produced("r4", report(ledger.request_prompts("r4", 10)))
+        step += 1
+        leased = ledger.lease_step(step, ["g0"], 1000)
+        assert leased and not any(r["uid"].endswith("@-1") for r in leased[0])
+        ledger.commit(step)
+    assert sorted(ledger.outcome()["trained"]) == sorted(f"p{i}@{e}" for i in range(3) for e in range(2))
+    assert not ledger.outcome()["unfinished"] and ledger.counts().trained == 6
+    resumed = SampleLedger(prompts(3), epochs=2, reserved=[{"id": "cal0", "messages": []}])
+    resumed.load_state_dict(ledger.state_dict())
+    assert resumed.reserved_waiting() == 1 and [p["uid"] for p in resumed.request_prompts("r0", 5)] == ["cal0@-1"]
+
+
+def test_reserved_ids_must_differ_from_the_training_ids():
+    with pytest.raises(LedgerError, match="unique"):
+        SampleLedger(prompts(2), reserved=[{"id": "p1", "messages": []}])

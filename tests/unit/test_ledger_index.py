@@ -42,7 +42,7 @@ def saved(state: dict) -> dict:
 
 
 def index_matches_rebuilt(ledger: SampleLedger) -> None:
-    fresh = rebuilt((ledger.entries[u] for u in ledger.order), ledger.position)
+    fresh = rebuilt(ledger.entries.values(), ledger.position)
     assert ledger.index.summary() == fresh.summary()
 
 
