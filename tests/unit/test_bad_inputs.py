@@ -5,13 +5,15 @@ a library, never a hang."""
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, JobConfig, load_config
 from cluster.config_checks import check_against_target
+from cluster.config_fields import RANGE, declared
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -22,8 +24,8 @@ LOCAL = ROOT / "configs" / "local.yaml"
     ("trainer.batch_tokens=0", r"`trainer\.batch_tokens`: 0 is out of range"),
     ("trainer.checkpoint_interval=0", r"`trainer\.checkpoint_interval`"),
     ("data.epochs=0", r"`data\.epochs`"),
-    ("trainer.time_budget_s=-60", r"`trainer\.time_budget_s`: -60\.0 is out of range \(must be > 0\)"),
-    ("data.heldout_fraction=1.0", r"`data\.heldout_fraction`: 1\.0 is out of range \(must be >= 0 and < 1\)"),
+    ("trainer.time_budget_s=-60", r"`trainer\.time_budget_s`: -60\.0 is out of range \(must be > 0 and <= 2592000\)"),
+    ("data.heldout_fraction=1.0", r"`data\.heldout_fraction`: 1\.0 is out of range \(must be > 0 and < 1: the job evaluates"),
     ("trainer.zero_stage=7", r"`trainer\.zero_stage`: 7 is out of range \(must be >= 0 and <= 3\)"),
     ("sampling.max_tokens=1024", r"`sampling\.max_tokens`: 1024 leaves no room for a prompt within target\.max_model_len=1024"),
     ("run_name=../escape", r"`run_name`: '\.\./escape' must be one folder name"),
@@ -36,6 +38,34 @@ LOCAL = ROOT / "configs" / "local.yaml"
 def test_bad_input_config_value_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(LOCAL, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.epochs=1000", r"`data\.epochs`: 1000 is out of range \(must be >= 1 and <= 100: "),
+    ("trainer.time_budget_s=.inf", r"`trainer\.time_budget_s`: inf is not a finite number \(must be > 0 and <= 2592000\)"),
+    ("trainer.data_timeout_s=1e9", r"`trainer\.data_timeout_s`: 1000000000\.0 is out of range \(must be > 0 and <= 86400\)"),
+    ("inference.generation_timeout_s=.inf", r"`inference\.generation_timeout_s`: inf is not a finite number"),
+    ("autoscaler.cooldown_s=-1", r"`autoscaler\.cooldown_s`: -1\.0 is out of range \(must be >= 0 and <= 86400\)"),
+    ("trainer.lr=.nan", r"`trainer\.lr`: nan is not a finite number"),
+    ("data.heldout_fraction=0", r"`data\.heldout_fraction`: 0\.0 is out of range \(must be > 0 and < 1: the job evaluates "
+                                r"the drafter on the held-out prompts\)"),
+])
+def test_bad_input_unbounded_values_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(LOCAL, [override])
+
+
+def test_every_wait_and_the_epochs_declare_an_upper_bound():
+    """A new timeout, delay or interval (a `*_s` field that is not a rate) without a bound fails
+    here: `.inf` or a typo of a few zeros would hide the hang it is there to catch."""
+    def keys(cls, prefix=""):
+        for f in fields(cls):
+            section = f.default_factory() if f.default_factory is not MISSING else None
+            yield from keys(type(section), f"{prefix}{f.name}.") if is_dataclass(section) else [f"{prefix}{f.name}"]
+
+    bounded = {key for key, r in declared(JobConfig, RANGE) if r.hi is not None}
+    waits = {k for k in keys(JobConfig) if k.endswith("_s") and not k.endswith("_per_s")}
+    assert waits and waits | {"data.epochs"} <= bounded, sorted(waits - bounded)
 
 
 def test_bad_input_config_file_names_the_file_and_line(tmp_path):
