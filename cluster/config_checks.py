@@ -40,6 +40,10 @@ def validate(cfg: JobConfig) -> None:
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")
+    for name in cfg.data.eval_sets:  # each names its result file (eval-<name>.json) and its entry in result.json
+        if not RUN_NAME.match(name) or ".." in name:
+            raise ConfigError(f"config error at `data.eval_sets`: {name!r} must be a name (letters, digits, '.', '_', "
+                              "'-'; no '..', no '/'): it names the set's results, eval-<name>.json")
     if cfg.target.name is not None and (not MODEL_ID.match(cfg.target.name) or ".." in cfg.target.name):
         raise ConfigError(f"config error at `target.name`: {cfg.target.name!r} is not a model id like `org/name`")
     if cfg.sampling.max_tokens >= cfg.target.max_model_len:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig
 from cluster.config_checks import check_against_target
+from cluster.preflight import check_target_path
 from dspark.chat import ChatFormat
 
 log = logging.getLogger("cluster.inference.target")
@@ -37,10 +37,8 @@ def resolve_target(cfg: JobConfig) -> str:
         from dspark.targets import prepare_random_llama
 
         return str(prepare_random_llama())
-    path = Path(cfg.target.path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"target.path={cfg.target.path}: no HF checkpoint (config.json) there")
-    return str(path)
+    check_target_path(cfg)
+    return cfg.target.path
 
 
 def read_config(path: str, trust_remote_code: bool):
