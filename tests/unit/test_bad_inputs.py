@@ -203,6 +203,20 @@ def test_a_dead_ray_head_is_named_not_waited_on(tmp_path):
         check_ray_head({}, record)
 
 
+def test_evaluate_takes_remote_code_only_from_its_flag(tmp_path):
+    from dspark import evaluate
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dspark_cluster": {"target_trust_remote_code": True}}))
+    args = evaluate.parse_args(["--target", str(tmp_path / "target"), "--drafter", str(drafter), "--prompts", "p.jsonl",
+                                "--json", "o.json"])
+    with pytest.raises(SystemExit, match=r"trained on a target that runs its own model code .*pass --trust-remote-code"):
+        evaluate.check_remote_code(args)
+    args.trust_remote_code = True
+    evaluate.check_remote_code(args)
+
+
 def run_entry(args: list[str], env: dict[str, str], shell: bool = False) -> subprocess.Popen:
     """The job's entry point as users start it. RAY_ADDRESS names a closed port unless the case
     sets its own: should a check let a bad input through, the job stops at the probe, in a
