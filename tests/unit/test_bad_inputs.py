@@ -162,6 +162,8 @@ def test_a_run_directory_is_written_by_one_job_at_a_time(tmp_path):
         with pytest.raises(ConfigError, match=rf"run directory {run_dir} is in use by another job: pid {os.getpid()} on "):
             RunDirLock(run_dir).acquire()
     RunDirLock(run_dir).acquire().release()  # released with the job
+    with pytest.raises(ConfigError, match=r"`output_dir`: cannot write /sys/dspark-run: "):
+        RunDirLock(Path("/sys/dspark-run")).acquire()  # not writable, even by root
     # A holder that dies without a word (SIGKILL) leaves no lock behind: the kernel drops it
     holder = subprocess.Popen([sys.executable, "-c", "import sys; from cluster.preflight import RunDirLock; "
                                f"RunDirLock({str(run_dir)!r}).acquire(); print('held', flush=True); sys.stdin.read()"],
