@@ -47,9 +47,9 @@ def job_arguments(argv: list[str], environ=os.environ) -> list[str]:
     try:
         extra = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"{JOB_ARGS_ENV}: not JSON ({e})") from None
+        raise ConfigError(f"{JOB_ARGS_ENV}: not JSON ({e})") from None
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise SystemExit(f"{JOB_ARGS_ENV}: must be a JSON list of strings, got {raw[:200]}")
+        raise ConfigError(f"{JOB_ARGS_ENV}: must be a JSON list of strings, got {raw[:200]}")
     return [*argv, *extra]
 
 
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", action="store_true", help="place the topology, print it, exit")
     ap.add_argument("--simulate", default=None, metavar="NxG", help="with --plan: a simulated cluster")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = ap.parse_intermixed_args(job_arguments(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        args = ap.parse_intermixed_args(job_arguments(sys.argv[1:] if argv is None else argv))
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
