@@ -154,6 +154,18 @@ def test_bad_input_paths_are_named_before_anything_starts(tmp_path):
         load_config(LOCAL, ["data.eval_sets={../x: data/prompts/ood.jsonl}"])
 
 
+def test_a_target_transformers_cannot_read_is_named(tmp_path):
+    from cluster.inference import read_config
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"`target\.path`: transformers cannot read {tmp_path} as a model: "
+                                          r"Unrecognized model"):
+        read_config(str(tmp_path), False)
+    (tmp_path / "config.json").write_text("not json")
+    with pytest.raises(ConfigError, match=r"`target\.path`: .* is not a valid JSON file"):
+        read_config(str(tmp_path), False)
+
+
 def test_a_run_directory_is_written_by_one_job_at_a_time(tmp_path):
     from cluster.preflight import RunDirLock
 
