@@ -6,6 +6,7 @@ target's own config is read. Errors name the key, as `ConfigError`.
 
 from __future__ import annotations
 
+import math
 import re
 
 from omegaconf import OmegaConf
@@ -27,14 +28,22 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
     for key, allowed_range in declared(JobConfig, RANGE):
         value = OmegaConf.select(node, key)
+        # NaN compares false with any bound, and `.inf` passes a bound on one side only
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config error at `{key}`: {value!r} is not a finite number (must be {allowed_range})")
         if value is not None and not allowed_range.holds(value):
-            raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range})")
+            why = f": {allowed_range.why}" if allowed_range.why else ""
+            raise ConfigError(f"config error at `{key}`: {value!r} is out of range (must be {allowed_range}{why})")
     for category, cap in cfg.data.category_caps.items():
         if not AT_LEAST_1.holds(cap):
             raise ConfigError(f"config error at `data.category_caps.{category}`: {cap!r} is out of range (must be {AT_LEAST_1})")
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")
+    for name in cfg.data.eval_sets:  # each names its result file (eval-<name>.json) and its entry in result.json
+        if not RUN_NAME.match(name) or ".." in name:
+            raise ConfigError(f"config error at `data.eval_sets`: {name!r} must be a name (letters, digits, '.', '_', "
+                              "'-'; no '..', no '/'): it names the set's results, eval-<name>.json")
     if cfg.target.name is not None and (not MODEL_ID.match(cfg.target.name) or ".." in cfg.target.name):
         raise ConfigError(f"config error at `target.name`: {cfg.target.name!r} is not a model id like `org/name`")
     if cfg.sampling.max_tokens >= cfg.target.max_model_len:

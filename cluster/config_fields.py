@@ -14,18 +14,32 @@ class Range:
     hi: float | None = None
     open_lo: bool = False  # lo itself not allowed
     open_hi: bool = False
+    why: str = ""  # said with a value out of range, where the bound is not obvious
 
     def holds(self, x) -> bool:
         return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
                 and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
 
     def __str__(self) -> str:
-        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {self.lo:g}"
-        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {self.hi:g}"
+        lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {number(self.lo)}"
+        hi = "" if self.hi is None else f"{'<' if self.open_hi else '<='} {number(self.hi)}"
         return " and ".join(x for x in (lo, hi) if x)
 
 
+def number(x: float) -> str:
+    """2592000, not 2.592e+06: a bound the user compares with what they wrote."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 POSITIVE, AT_LEAST_1, NON_NEGATIVE, FRACTION = Range(0, open_lo=True), Range(1), Range(0), Range(0, 1)
+DAY = 86400
+# Every wait, timeout, delay and interval is at most a day: more is a typo or `.inf`, never a
+# plan, and a wait that long would hide the hang it is there to catch.
+TIMEOUT, DELAY = Range(0, DAY, open_lo=True), Range(0, DAY)
+BUDGET = Range(0, 30 * DAY, open_lo=True)  # a job's whole time budget: a month
+# Epochs over the same prompts: past 100 the drafter learns the prompts by heart, and the ledger
+# holds prompts x epochs entries.
+EPOCHS = Range(1, 100, why="more epochs over the same prompts teach them by heart")
 
 
 def ranged(default, allowed: Range):

@@ -4,7 +4,9 @@
         [--prompts FILE2.jsonl --json OUT2.json ...] [--max-new-tokens N] [--temperature T] [--limit K]
 
 Prompts: JSONL with `messages` (OpenAI chat) or `prompt` (one user turn) per line (ShareGPT
-`conversations` and `datasets` folders work too). Greedy decoding runs the prompts side by side
+`conversations` and `datasets` folders work too). A target that ships its own model code
+(a drafter trained with `target.trust_remote_code`) needs `--trust-remote-code`: the drafter's
+config.json says so, but only the flag lets that code run. Greedy decoding runs the prompts side by side
 (`--batch-size`), those of every set in one pass: one drafter pass and one target verification
 forward per step for the batch.
 Losslessness is then checked with one teacher-forced target pass over each output (every token
@@ -68,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
                         "(which also measures its speed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model code shipped in the target's directory (targets trained with "
+                        "target.trust_remote_code): only on this flag, never on the drafter's say-so")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the target and the drafter (default: torch's own choice, which follows "
                         "OMP_NUM_THREADS)")
@@ -83,6 +88,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(args.prompts) != len(args.json_out):
         p.error(f"{len(args.prompts)} --prompts but {len(args.json_out)} --json: one output per prompt set")
     return args
+
+
+def check_remote_code(args: argparse.Namespace) -> None:
+    """A drafter whose target needs its own code (config.json `target_trust_remote_code`) is
+    evaluated only with --trust-remote-code: the drafter is data, possibly downloaded, and must
+    not decide that the target directory's code runs."""
+    try:
+        raw = json.loads((Path(args.drafter) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--drafter {args.drafter}: cannot read its config.json ({e})") from None
+    if raw.get("dspark_cluster", {}).get("target_trust_remote_code") and not args.trust_remote_code:
+        raise SystemExit(f"--drafter {args.drafter} was trained on a target that runs its own model code "
+                         f"(target_trust_remote_code in its config.json): pass --trust-remote-code if you trust the "
+                         f"code in {args.target}")
 
 
 def read_prompt_set(args: argparse.Namespace, path: str) -> list:
@@ -108,12 +127,12 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    check_remote_code(args)
     sets = [read_prompt_set(args, path) for path in args.prompts]  # every file read before minutes go into loading
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
-    # The target read and the conversations rendered as the drafter's training data were: its
-    # checkpoint records both (a drafter judged on another chat template is judged on data it
-    # never saw).
-    model, tok = load_target(args.target, dtype, trust_remote_code=drafter.config.target_trust_remote_code)
+    # The conversations rendered as the drafter's training data were: its checkpoint records the
+    # chat format (a drafter judged on another chat template is judged on data it never saw).
+    model, tok = load_target(args.target, dtype, trust_remote_code=args.trust_remote_code)
     chat = ChatFormat.from_record(drafter.config.chat_format)
     rates = None
     if args.step_rates:

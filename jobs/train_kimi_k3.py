@@ -3,6 +3,15 @@
     ray job submit --working-dir . -- python jobs/train_kimi_k3.py --config configs/kimi_k3.yaml [key=value ...]
     python jobs/train_kimi_k3.py --config configs/kimi_k3.yaml --plan --simulate 12x4   # dry run
 
+Arguments may also come in $DSPARK_JOB_ARGS, a JSON list of strings, after those of the command
+line: `ray job submit` runs its entrypoint through a shell, and arguments that travel in the
+job's runtime environment reach the job verbatim, whatever `$`, `;` or quotes they hold
+(scripts/run_local.sh passes the config and every override so).
+
+Before it connects to Ray the job checks what it reads (the output directory, the target's
+directory, every line of the prompt files, the evaluation sets), locks its run directory (one
+job writes it at a time) and probes the Ray head it would join: each problem one line, exit 2.
+
 `configs/local.yaml` runs the same pipeline on one CPU box. `--plan` places the topology,
 prints which role lands on which node and GPU and the capacity plan (hidden-state bytes,
 bandwidth and store memory per group, the drafter's parameters), then releases everything;
@@ -12,7 +21,9 @@ bandwidth and store memory per group, the drafter's parameters), then releases e
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -22,16 +33,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.config import ConfigError, load_config  # noqa: E402
 
 SIMULATED_NODES_TIMEOUT_S = 180
+JOB_ARGS_ENV = "DSPARK_JOB_ARGS"
 # Seconds a graceful stop needs at least (the step in progress, a checkpoint, result.json) on the
 # local job; a cluster's checkpoint of a large drafter wants more (the manifest gives 1800).
 MIN_STOP_WAIT_S = 60
 
 
+def job_arguments(argv: list[str], environ=os.environ) -> list[str]:
+    """The command line's arguments, then those of $DSPARK_JOB_ARGS (a JSON list of strings)."""
+    raw = environ.get(JOB_ARGS_ENV)
+    if not raw:
+        return argv
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{JOB_ARGS_ENV}: not JSON ({e})") from None
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise ConfigError(f"{JOB_ARGS_ENV}: must be a JSON list of strings, got {raw[:200]}")
+    return [*argv, *extra]
+
+
 def warn_short_stop_wait() -> None:
     """Under `ray job submit`, Ray kills the driver RAY_JOB_STOP_WAIT_TIME_S after `ray job stop`'s
     SIGTERM (3 s unless the submission or the head sets it): too soon for the stop's checkpoint."""
-    import os
-
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # not a submitted job: nobody times the stop
         return
     wait = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
@@ -58,6 +82,13 @@ def plan(cfg, simulate: str | None) -> int:
             cluster.add_node(wait=False, num_cpus=64, num_gpus=g)
         ray.init(address=cluster.address, log_to_driver=False)
     else:
+        from cluster.preflight import check_ray_head
+
+        try:
+            check_ray_head()
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            return 2
         ray.init()
     try:
         if cluster is not None:
@@ -86,21 +117,30 @@ def plan(cfg, simulate: str | None) -> int:
             cluster.shutdown()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "local.yaml"))
     ap.add_argument("--plan", action="store_true", help="place the topology, print it, exit")
     ap.add_argument("--simulate", default=None, metavar="NxG", help="with --plan: a simulated cluster")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        args = ap.parse_intermixed_args(job_arguments(sys.argv[1:] if argv is None else argv))
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     if args.plan:
         return plan(cfg, args.simulate)
+    from cluster.preflight import RunDirLock, check_inputs, check_ray_head
+
+    try:
+        conversations = check_inputs(cfg)
+        lock = RunDirLock(cfg.run_dir).acquire()  # noqa: F841 - held until this process ends
+        check_ray_head()
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     import ray
 
@@ -109,8 +149,10 @@ def main() -> int:
     from dspark.tau_report import fmt, format_table
 
     warn_short_stop_wait()
+    if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
+        logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
     ray.init(log_to_driver=True)
-    job = TrainingJob(cfg)
+    job = TrainingJob(cfg, conversations)
 
     def stop(signum, _frame):
         # The first signal (`ray job stop` sends SIGTERM) asks the job to stop after its step with

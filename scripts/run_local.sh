@@ -39,22 +39,7 @@ then
          "it was started otherwise; stop it with 'ray stop' and run this again" >&2
     exit 2
 fi
-ENV_JSON=$(python - <<PY
-import json, os
-print(json.dumps({
-    "excludes": [".git", ".venv", "outputs", ".cache", "**/__pycache__", "*.egg-info"],
-    "env_vars": {
-        "DSPARK_CACHE": os.environ["DSPARK_CACHE"],
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.environ["DSPARK_CACHE"] + "/torch_extensions"),
-        "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "MC_STORE_MEMCPY": "0",
-        "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2",
-        # `ray job stop` kills the driver this long after its SIGTERM (Ray's default: 3 s), time
-        # for the stop's checkpoint and result.json (jobs/train_kimi_k3.py)
-        "RAY_JOB_STOP_WAIT_TIME_S": "120",
-    },
-}))
-PY
-)
-exec ray job submit --address "$DASH" --working-dir . --runtime-env-json "$ENV_JSON" -- \
-    python jobs/train_kimi_k3.py --config "$CONFIG" "output_dir=$ROOT/outputs" "$@"
+# The config and the overrides go in the job's environment ($DSPARK_JOB_ARGS), not on the
+# entrypoint: Ray runs the entrypoint through a shell, which would read a `$` or `;` in them.
+ENV_JSON=$(python scripts/runtime_env.py --config "$CONFIG" "output_dir=$ROOT/outputs" "$@")
+exec ray job submit --address "$DASH" --working-dir . --runtime-env-json "$ENV_JSON" -- python jobs/train_kimi_k3.py

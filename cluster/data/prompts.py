@@ -5,36 +5,24 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
-from cluster.config import ROOT, JobConfig
+from cluster.config import ConfigError, JobConfig
+from cluster.preflight import read_checked, read_prompt_files, repo_path
 
 log = logging.getLogger("dspark.job")
 
-
-def repo_path(src: str) -> Path:
-    """A path of the config: absolute, or relative to the repository."""
-    return Path(src) if Path(src).is_absolute() else ROOT / src
+__all__ = ["check_eval_sets", "load_prompts", "repo_path"]
 
 
-def load_prompts(cfg: JobConfig):
-    """All prompt sources, de-duplicated by id, split into train / held-out."""
-    from dspark.prompts import cap_per_category, read_conversations, split
+def load_prompts(cfg: JobConfig, conversations: list | None = None):
+    """All prompt sources (`conversations`: as `cluster.preflight.check_inputs` read them; None:
+    read them here), de-duplicated by id, split into train / held-out."""
+    from dspark.prompts import cap_per_category, split
 
-    convs, seen = [], set()
-    for src in cfg.data.prompts:
-        got, report = read_conversations(repo_path(src))
-        log.info("%s", report.summary())
-        for c in got:
-            if c.id in seen:
-                raise ValueError(f"prompt id {c.id!r} appears twice across data.prompts")
-            seen.add(c.id)
-            convs.append(c)
+    convs = read_prompt_files(cfg) if conversations is None else conversations
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
     unknown = sorted(set(cfg.data.category_caps) - {c.category for c in train})
     if unknown:  # a misspelt category would cap nothing, silently
-        from cluster.config import ConfigError
-
         raise ConfigError(f"config error at `data.category_caps`: no training prompt of data.prompts has "
                           f"category {', '.join(map(repr, unknown))} (they have "
                           f"{', '.join(sorted({str(c.category) for c in train}))})")
@@ -44,8 +32,10 @@ def load_prompts(cfg: JobConfig):
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
     if not train:
-        raise ValueError(f"no training prompts in data.prompts={list(cfg.data.prompts)} "
-                         f"({len(convs)} read, {len(held)} held out): nothing to train on")
+        raise ConfigError(f"config error at `data.prompts`: no training prompts in {list(cfg.data.prompts)} "
+                          f"({len(convs)} read, {len(held)} held out): nothing to train on")
+    log.info("prompts: %d read from %s, %d to train on, %d held out", len(convs), list(cfg.data.prompts), len(train),
+             len(held))
     return train, held
 
 
@@ -65,20 +55,13 @@ def calibration_split(heldout: list, eval_limit: int | None, n: int) -> tuple[li
 def check_eval_sets(cfg: JobConfig, train) -> None:
     """Every `data.eval_sets` file reads, has prompts, and shares none with the training prompts
     (a set trained on would measure memory, not generalisation)."""
-    from cluster.config import ConfigError
-    from dspark.prompts import read_conversations
-
     def key(c) -> str:
         return json.dumps(c.prompt_messages, sort_keys=True)
 
     trained = {key(c): c.id for c in train}
     for name, src in cfg.data.eval_sets.items():
         path = repo_path(src)
-        if not path.exists():
-            raise ConfigError(f"config error at `data.eval_sets.{name}`: {path} does not exist")
-        convs, _ = read_conversations(path)
-        if not convs:
-            raise ConfigError(f"config error at `data.eval_sets.{name}`: no prompts in {path}")
+        convs = read_checked(path, f"data.eval_sets.{name}")
         both = next((c for c in convs if key(c) in trained), None)
         if both is not None:
             raise ConfigError(f"config error at `data.eval_sets.{name}`: prompt {both.id} of {path} is also the "

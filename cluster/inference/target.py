@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from cluster.config import LOCAL_TARGET, RANDOM_TARGET, ConfigError, JobConfig
 from cluster.config_checks import check_against_target
+from cluster.preflight import check_target_path
 from dspark.chat import ChatFormat
 
 log = logging.getLogger("cluster.inference.target")
@@ -37,10 +37,8 @@ def resolve_target(cfg: JobConfig) -> str:
         from dspark.targets import prepare_random_llama
 
         return str(prepare_random_llama())
-    path = Path(cfg.target.path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"target.path={cfg.target.path}: no HF checkpoint (config.json) there")
-    return str(path)
+    check_target_path(cfg)
+    return cfg.target.path
 
 
 def read_config(path: str, trust_remote_code: bool):
@@ -48,12 +46,13 @@ def read_config(path: str, trust_remote_code: bool):
 
     try:
         return load_target_config(path, trust_remote_code)
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # not JSON, no model_type, an unknown architecture: a config mistake
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if not trust_remote_code and "trust_remote_code" in str(e):
             raise ConfigError(f"config error at `target.trust_remote_code`: {path} ships its own model code (config.json "
                               f"`auto_map`), which runs only with target.trust_remote_code=true; set it if you trust "
-                              f"that code. transformers: {str(e).splitlines()[0]}") from None
-        raise
+                              f"that code. transformers: {first}") from None
+        raise ConfigError(f"config error at `target.path`: transformers cannot read {path} as a model: {first}") from None
 
 
 def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:

@@ -166,6 +166,8 @@ def evaluate(job, drafter: str) -> tuple[dict, dict[str, dict]]:
             cmd += ["--prompts", str(prompts), "--json", str(out)]
         if job.cfg.data.eval_limit:
             cmd += ["--limit", str(job.cfg.data.eval_limit)]
+        if job.cfg.target.trust_remote_code:  # the config's consent; the drafter's config.json gives none
+            cmd.append("--trust-remote-code")
         subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=job.cfg.data.eval_timeout_s * len(sets))
     results = {}
     for name, (_, out) in sets.items():

@@ -48,10 +48,12 @@ WATCHER_LEDGER_TIMEOUT_S = 30.0
 
 
 class TrainingJob:
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, conversations: list | None = None) -> None:
+        """`conversations`: the prompts as `cluster.preflight.check_inputs` read them (None: the
+        job reads them)."""
         import ray
 
-        self.cfg, self.ray = cfg, ray
+        self.cfg, self.ray, self.conversations = cfg, ray, conversations
         self.started = time.monotonic()  # result.json's wall clock
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +93,7 @@ class TrainingJob:
         # some (a first request that cannot overfill the store).
         self.max_sample_bytes = self.cfg.target.max_model_len * (
             len(self.layer_ids) * tcfg.hidden_size * (4 if self.cfg.target.dtype == "float32" else 2) + 5)
-        self.train_prompts, self.heldout = load_prompts(self.cfg)
+        self.train_prompts, self.heldout = load_prompts(self.cfg, self.conversations)
         check_eval_sets(self.cfg, self.train_prompts)
         head = self.cfg.drafter.enable_confidence_head and self.cfg.drafter.mode == "dspark"
         self.calibration_prompts, self.evaluated_prompts = calibration_split(

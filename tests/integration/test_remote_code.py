@@ -5,8 +5,8 @@ Without `target.trust_remote_code` the job refuses it before any actor starts, n
 and none of its code runs (the config module leaves a marker when imported). With it, every part
 that reads the target does so the same way: the driver's checks, vLLM (its Transformers backend
 runs the unknown architecture and extracts its hidden states), the drafter's config, the
-trainer's tokenizer, the evaluation (from the flag recorded in the exported checkpoint) and the
-serving recipe (`--trust-remote-code`).
+trainer's tokenizer, the evaluation (with its own --trust-remote-code: the flag recorded in the
+exported checkpoint is not consent) and the serving recipe (`--trust-remote-code`).
 """
 
 from __future__ import annotations
@@ -101,5 +101,5 @@ def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_p
     prompts.write_text(json.dumps(PROMPT) + "\n")
     result = evaluate.evaluate(evaluate.parse_args(["--target", str(remote_target), "--drafter", str(final), "--prompts",
                                                     str(prompts), "--json", str(tmp_path / "e.json"),
-                                                    "--max-new-tokens", "16"]))
+                                                    "--max-new-tokens", "16", "--trust-remote-code"]))
     assert result["lossless"] is True and result["requests"][0]["prompt_tokens"] == len(ids)
