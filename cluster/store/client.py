@@ -1,7 +1,7 @@
 """`HiddenStateStore`: put/get/remove of whole training samples in the Mooncake store.
 
 One sample is one object under the key `run/group/sample`: a 64-byte header (format, the
-hidden states' dtype, the shapes, and a keyed BLAKE2b MAC of the whole sample), then its hidden
+hidden states' dtype, the shapes, and a keyed BLAKE2b MAC of the whole sample and its key), then its hidden
 states, token ids and loss mask, each section 64-byte aligned, in that order. Only the key and
 the shapes (`SampleRef`) travel through Ray; the bytes move between store clients directly.
 Reads land in a registered buffer (zero copy on RDMA) and are checked against the header before
@@ -315,7 +315,7 @@ class HiddenStateStore:
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
         ref = SampleRef.for_sample(key, sample)
-        parts = sample_parts(sample, self.key)
+        parts = sample_parts(sample, self.key, store_key=key)
         if not self.node_client:
             # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
             # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).
