@@ -7,9 +7,9 @@ the shapes (`SampleRef`) travel through Ray; the bytes move between store client
 Reads land in a registered buffer (zero copy on RDMA) and are checked against the header before
 anything uses them: the dtype and shapes the reader expects (an fp16 target's states are never
 read as bf16) and the MAC under the job's key (`StoreConfig.sample_key`, handed to every actor
-of the job through Ray). Mooncake's transfer ports take connections on every interface without
-authentication (its engine has no switch for it): whoever reaches them can read or overwrite an
-object, but cannot make the trainer train on a changed one.
+of the job through Ray). Mooncake's transfer ports have no authentication (on one node the daemon's
+are kept on loopback: `cluster.store.loopback`): whoever reaches them can read or overwrite an
+object, but cannot make the trainer train on a changed one, nor on one copied to another key.
 
 Two ways to join the store (`StoreConfig`):
 - attached to the node's store daemon (`node_client`, the default in jobs; see
