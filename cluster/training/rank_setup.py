@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
+from cluster.hardware import one_node_env
 from cluster.store import StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
@@ -78,18 +79,6 @@ def leave_rendezvous(init_method: str | None) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def loopback_interface() -> str:
-    """The name of the interface that holds 127.0.0.1 (`lo` on Linux)."""
-    import socket
-
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
-            return name
-    return "lo"
-
-
 def join_world(init_method: str, rank: int, world_size: int, backend: str) -> None:
     """torch.distributed (through DeepSpeed) at `init_method`, from `rendezvous`."""
     import deepspeed
@@ -98,11 +87,10 @@ def join_world(init_method: str, rank: int, world_size: int, backend: str) -> No
     # libraries that read them from the environment.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     if init_method.startswith("file://"):
-        # gloo (and NCCL's bootstrap) listen for their peers on the address of the host's name,
-        # i.e. on the network, unless told an interface: on one node the peers are all here.
-        # (Each world's ranks are new processes: nothing else in them depends on these.)
-        lo = loopback_interface()
-        os.environ.update(GLOO_SOCKET_IFNAME=lo, NCCL_SOCKET_IFNAME=lo)
+        # One node: gloo and NCCL's bootstrap on loopback (`one_node_env`: they would listen on the
+        # address the host's name resolves to). Each world's ranks are new processes: nothing
+        # else in them depends on these.
+        os.environ.update(one_node_env())
     else:
         # The TCP rendezvous's address, also for whatever reads the environment; DeepSpeed's CPU
         # shared-memory allreduce names its segments after them (used only with LOCAL_SIZE set,
