@@ -13,8 +13,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DSPARK_CACHE", str(ROOT / ".cache"))
-# Token authentication, as in every run (Ray listens on every interface): one token per test
-# session, inherited by every process the tests start (jobs, `--plan`, resubmissions).
+# The test session's Ray on loopback only, as scripts/run_local.sh's head: Ray's switch for a
+# one-machine cluster makes the node's address 127.0.0.1 (which `ray.init` would otherwise turn
+# into the machine's address), and then every Ray process listens on loopback, its Prometheus
+# endpoints included (tests/integration/test_security.py). Read when `ray` is imported: set here,
+# before any test module imports it; inherited by every process the tests start.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Token authentication, as in every run (another user of the machine reaches loopback too): one
+# token per test session, inherited by every process the tests start (jobs, `--plan`, resubmissions).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from cluster.errors import cause_of
+from cluster.hardware import one_node_env
 from cluster.scaling import Placed, RoleSpec, place
 from cluster.store import StoreServices
 
@@ -68,6 +69,10 @@ def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | 
     index = placed.order[node * len(placed.order) // placed.spec.nodes]
     bundle = placed.spec.bundles[index]
     env = dict(env or {})
+    if len(set(placed.bundle_nodes)) == 1:
+        # vLLM's own torch.distributed world (a file rendezvous, then gloo, NCCL on GPUs) has all
+        # its ranks on this node: its listeners on loopback.
+        env.update(one_node_env())
     if bundle.get("GPU"):
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
     return {"num_cpus": bundle.get("CPU", 1), "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),

@@ -1,8 +1,8 @@
 """The store room: where the samples' bytes live and how they move.
 
 Owns the wire format of a sample (header, MAC: `wire`), the Mooncake client (`client`), the
-supervised daemons (`process`, `master`, `node_store`) and the job's store services
-(`services`). vLLM loads the hidden-states connector by module path
+supervised daemons (`process`, `master`, `node_store`; `loopback` keeps a one-node daemon's
+transfer engine on loopback) and the job's store services (`services`). vLLM loads the hidden-states connector by module path
 (`cluster.store.hidden_states_connector`); it is not imported here (it imports vLLM).
 """
 

@@ -1,15 +1,15 @@
 """`HiddenStateStore`: put/get/remove of whole training samples in the Mooncake store.
 
 One sample is one object under the key `run/group/sample`: a 64-byte header (format, the
-hidden states' dtype, the shapes, and a keyed BLAKE2b MAC of the whole sample), then its hidden
+hidden states' dtype, the shapes, and a keyed BLAKE2b MAC of the whole sample and its key), then its hidden
 states, token ids and loss mask, each section 64-byte aligned, in that order. Only the key and
 the shapes (`SampleRef`) travel through Ray; the bytes move between store clients directly.
 Reads land in a registered buffer (zero copy on RDMA) and are checked against the header before
 anything uses them: the dtype and shapes the reader expects (an fp16 target's states are never
 read as bf16) and the MAC under the job's key (`StoreConfig.sample_key`, handed to every actor
-of the job through Ray). Mooncake's transfer ports take connections on every interface without
-authentication (its engine has no switch for it): whoever reaches them can read or overwrite an
-object, but cannot make the trainer train on a changed one.
+of the job through Ray). Mooncake's transfer ports have no authentication (on one node the daemon's
+are kept on loopback: `cluster.store.loopback`): whoever reaches them can read or overwrite an
+object, but cannot make the trainer train on a changed one, nor on one copied to another key.
 
 Two ways to join the store (`StoreConfig`):
 - attached to the node's store daemon (`node_client`, the default in jobs; see
@@ -315,7 +315,7 @@ class HiddenStateStore:
     # ---- samples ------------------------------------------------------------------------
     def put_sample(self, key: str, sample: Sample) -> SampleRef:
         ref = SampleRef.for_sample(key, sample)
-        parts = sample_parts(sample, self.key)
+        parts = sample_parts(sample, self.key, store_key=key)
         if not self.node_client:
             # upsert_parts: Mooncake stages the parts itself; measured faster than our own copy
             # into a registered buffer + upsert_from (1.1-1.3 vs 0.9-1.0 GB/s on loopback).

@@ -1,8 +1,10 @@
 """The wire format of one training sample in the Mooncake store, apart from any client.
 
 One sample is one object: a 64-byte header (format, the hidden states' dtype, the shapes, and a
-keyed BLAKE2b MAC of the whole sample), then its hidden states, token ids and loss mask, each
-section 64-byte aligned, in that order. `SampleRef` (key + shapes) is what travels through Ray;
+keyed BLAKE2b MAC of the whole sample and of the key it is stored under), then its hidden states,
+token ids and loss mask, each section 64-byte aligned, in that order. The MAC covers the store key
+so that a sample copied (or replayed) under another key is refused: the ledger trusts that the
+bytes at a key are the answer to that key's prompt. `SampleRef` (key + shapes) is what travels through Ray;
 `sample_parts` lays a sample out for a put, `sample_from_buffer` checks and reads one back.
 """
 
@@ -28,7 +30,8 @@ def aligned(n: int) -> int:
 
 HEADER = 64
 _HEADER = struct.Struct("<4sBBHIHI16s")  # magic, version, dtype, -, tokens, layers, hidden, MAC
-MAGIC, VERSION = b"DSPK", 1
+# Version 2: the MAC covers the store key (version 1's covered the header and sections only).
+MAGIC, VERSION = b"DSPK", 2
 DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}
 PIECE = 16 << 20  # MAC'd in pieces of this size, in threads for big samples
 _hashers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="sample-mac")
@@ -74,10 +77,17 @@ class SampleRef:
         return _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], 0, self.num_tokens, len(self.layer_ids),
                             self.hidden_size, b"")[:-16]
 
+    def mac_input(self) -> bytes:
+        """What the MAC covers besides the sections: the header fields and the store key
+        (length-prefixed, so that no two (fields, key) pairs read the same)."""
+        name = self.key.encode()
+        return self.header_fields() + struct.pack("<I", len(name)) + name
+
 
 def sample_mac(key: bytes, fields: bytes, sections: list) -> bytes:
-    """Keyed BLAKE2b (16 bytes) of the header fields and the sections (byte views), a digest per
-    piece of PIECE bytes (computed in threads: hashlib releases the GIL) then one over them all."""
+    """Keyed BLAKE2b (16 bytes) of `fields` (`SampleRef.mac_input`) and the sections (byte views),
+    a digest per piece of PIECE bytes (computed in threads: hashlib releases the GIL) then one over
+    them all."""
     pieces = [memoryview(v).cast("B")[i:i + PIECE] for v in sections for i in range(0, max(memoryview(v).nbytes, 1), PIECE)]
 
     def digest(b) -> bytes:
@@ -87,15 +97,16 @@ def sample_mac(key: bytes, fields: bytes, sections: list) -> bytes:
     return hashlib.blake2b(fields + b"".join(digests), key=key, digest_size=16).digest()
 
 
-def sample_parts(sample: Sample, key: bytes = b"") -> list:
+def sample_parts(sample: Sample, key: bytes = b"", *, store_key: str) -> list:
     """The object's byte sections (numpy views, no copy of the hidden states): the header, then
-    each section padded to ALIGN."""
+    each section padded to ALIGN. `key` signs, `store_key` is the key it will be stored under
+    (covered by the MAC)."""
     h = sample.hidden_states.contiguous().view(torch.uint8).reshape(-1)
     ids = sample.token_ids.to(torch.int32).contiguous().view(torch.uint8)
     mask = sample.loss_mask.to(torch.uint8).contiguous()
     sections = [t.numpy() for t in (h, ids, mask)]
-    fields = SampleRef.for_sample("", sample).header_fields()
-    header = (fields + sample_mac(key, fields, sections)).ljust(HEADER, b"\0")
+    ref = SampleRef.for_sample(store_key, sample)
+    header = (ref.header_fields() + sample_mac(key, ref.mac_input(), sections)).ljust(HEADER, b"\0")
     parts = [header]
     for arr, last in zip(sections, (False, False, True)):
         parts.append(arr)
@@ -107,7 +118,8 @@ def sample_parts(sample: Sample, key: bytes = b"") -> list:
 
 def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, key: bytes = b"") -> Sample:
     """From `buf` (uint8, at least `ref.nbytes`), after checking its header against `ref` (format,
-    dtype, shapes) and its MAC under `key`; CorruptSampleError names the key and what differs.
+    dtype, shapes) and its MAC under `key` (which covers `ref.key`: a sample stored under another
+    key is refused); CorruptSampleError names the key and what differs.
     Without `copy` the hidden states view `buf`: copy them before reusing it."""
     magic, version, dtype, _, tokens, layers, hidden, mac = _HEADER.unpack(buf[:_HEADER.size].numpy().tobytes())
     if magic != MAGIC or version != VERSION:
@@ -120,9 +132,9 @@ def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, ke
     o_ids = HEADER + aligned(h_n)
     o_mask = o_ids + aligned(i_n)
     sections = [buf[HEADER:HEADER + h_n].numpy(), buf[o_ids:o_ids + i_n].numpy(), buf[o_mask:o_mask + m_n].numpy()]
-    if not hmac.compare_digest(mac, sample_mac(key, ref.header_fields(), sections)):
-        raise CorruptSampleError(f"{ref.key}: its bytes do not match their MAC (changed in the store, or written "
-                                 "under another job's key)")
+    if not hmac.compare_digest(mac, sample_mac(key, ref.mac_input(), sections)):
+        raise CorruptSampleError(f"{ref.key}: its bytes do not match their MAC (changed in the store, written "
+                                 "under another job's key, or stored under another key)")
     t = ref.num_tokens
     hidden_states = buf[HEADER:HEADER + h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
     ids = buf[o_ids:o_ids + i_n].view(torch.int32).long()

@@ -1,14 +1,19 @@
 """What a trainer rank is set up from: its settings, its drafter's config, the DeepSpeed config,
-the draft vocabulary, and torch told to load DeepSpeed checkpoints without running code."""
+the draft vocabulary, torch told to load DeepSpeed checkpoints without running code, and the
+world's rendezvous (loopback only when every rank is on one node)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
+from cluster.hardware import one_node_env
 from cluster.store import StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
@@ -41,6 +46,59 @@ def load_checkpoints_without_code() -> None:
 
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, fragment_address])
+
+
+RENDEZVOUS_PREFIX = "dspark-rendezvous-"
+
+
+def rendezvous(one_node: bool, stale: str | None = None) -> str:
+    """Rank 0's rendezvous for a new world, as torch's `init_method`.
+
+    One node (every rank on this node): a file in a new private directory (mkdtemp: mode 0700,
+    only this user), so that no rank opens a rendezvous port at all (torch's TCPStore listens on
+    every interface whatever address it is given). Several nodes: TCP on this node's address and
+    a port free on every interface (the other nodes' ranks connect); what protects it there is
+    the cluster's private network, as for NCCL and gloo themselves. `stale`: the previous world's
+    rendezvous, removed if it is still here (its rank 0 was killed before it could)."""
+    leave_rendezvous(stale)
+    if one_node:
+        return "file://" + str(Path(tempfile.mkdtemp(prefix=RENDEZVOUS_PREFIX)) / "store")
+    import ray
+
+    from cluster.store import free_port
+
+    host = ray.util.get_node_ip_address()
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{free_port('')}"
+
+
+def leave_rendezvous(init_method: str | None) -> None:
+    """Remove a one-node world's rendezvous directory (nothing to do for TCP, or where it is gone)."""
+    if init_method and init_method.startswith("file://"):
+        d = Path(init_method[len("file://"):]).parent
+        if d.name.startswith(RENDEZVOUS_PREFIX):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def join_world(init_method: str, rank: int, world_size: int, backend: str) -> None:
+    """torch.distributed (through DeepSpeed) at `init_method`, from `rendezvous`."""
+    import deepspeed
+
+    # DeepSpeed wants LOCAL_RANK (without it, it looks for mpi4py); RANK and WORLD_SIZE for the
+    # libraries that read them from the environment.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    if init_method.startswith("file://"):
+        # One node: gloo and NCCL's bootstrap on loopback (`one_node_env`: they would listen on the
+        # address the host's name resolves to). Each world's ranks are new processes: nothing
+        # else in them depends on these.
+        os.environ.update(one_node_env())
+    else:
+        # The TCP rendezvous's address, also for whatever reads the environment; DeepSpeed's CPU
+        # shared-memory allreduce names its segments after them (used only with LOCAL_SIZE set,
+        # which the job does not set: a file rendezvous needs neither).
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        os.environ.update(MASTER_ADDR=host.strip("[]"), MASTER_PORT=port)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=init_method,
+                               rank=rank, world_size=world_size)
 
 
 def deepspeed_config(t: TrainerConfig, world_size: int, load_universal: bool = False) -> dict:

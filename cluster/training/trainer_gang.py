@@ -45,6 +45,8 @@ class TrainerGang:
         self.rank_groups: list[str] = []  # group of each rank
         self.generation = 0  # bumped per (re)start: actor names stay unique
         self.threads: int | None = None  # CPU threads each rank runs with (None: what Ray gave it)
+        self.one_node = False  # every rank on one node: the world rendezvous and talks on loopback only
+        self.init_method: str | None = None  # the current (or last) world's rendezvous
 
     # ---- fan-out --------------------------------------------------------------------------
     def _wait(self, refs, what: str):
@@ -86,6 +88,7 @@ class TrainerGang:
         world = len(slots)
         self.generation += 1
         self.rank_groups = [p.spec.group for p, _ in slots]
+        self.one_node = len({p.bundle_nodes[b] for p, b in slots}) == 1  # (a bundle pins its actor to its node)
         self.ranks = [
             self.ray.remote(TrainerRank).options(
                 num_cpus=p.spec.bundles[b].get("CPU", 1), num_gpus=p.spec.bundles[b].get("GPU", 0),
@@ -112,14 +115,22 @@ class TrainerGang:
     def setup(self, model_init: dict, resume: Path | None, resized: bool) -> int:
         """Rendezvous at rank 0, build the drafter and engines, load `resume` if given; the step
         the world starts from."""
-        addr, port = self._on_rank0(lambda r: r.rendezvous_address.remote(), "rendezvous_address")
+        stale = self.init_method  # a failed world's, if its rank 0 could not remove it (same node: gone by now or here)
+        self.init_method = self._on_rank0(lambda r: r.rendezvous.remote(self.one_node, stale), "rendezvous")
         trainer_dir = str(resume / "trainer") if resume else None
-        out = self._on_all(lambda r: r.setup.remote(addr, port, model_init, trainer_dir, resized), "setup")
+        init = self.init_method
+        out = self._on_all(lambda r: r.setup.remote(init, model_init, trainer_dir, resized), "setup")
         log.info("trainer world: %d ranks %s, %d trainable parameters, step %d", self.size, self.layout(),
                  out[0]["params"], out[0]["step"])
         return out[0]["step"]
 
     def stop(self) -> None:
+        if self.ranks:
+            try:  # rank 0 removes its rendezvous directory (a dead or hung one: the next world's rank 0 does)
+                self.ray.get(self.ranks[0].leave.remote(), timeout=10)
+                self.init_method = None
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
         for r in self.ranks:
             self.ray.kill(r, no_restart=True)
         self.ranks = []

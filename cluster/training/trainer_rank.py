@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.store import free_port
 from cluster.training.checkpoints import file_sizes, make_universal, publish
 from cluster.training.step_result import StepResult, TrainedSample
-from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
-                                         vocab_mapping_from)
+from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, join_world, leave_rendezvous,
+                                         load_checkpoints_without_code, rendezvous, vocab_mapping_from)
 
 if TYPE_CHECKING:
     from cluster.data.ledger_rows import LeasedSample
@@ -43,6 +42,7 @@ class TrainerRank:
         self.store = None
         self.fetched_step = None
         self.faults_fired: Counter = Counter()
+        self.init_method: str | None = None  # rank 0: the world's rendezvous
 
     def set_threads(self, threads: int) -> int:
         torch.set_num_threads(threads)
@@ -85,14 +85,17 @@ class TrainerRank:
             out.update(d2t=tensors["d2t"].tolist(), t2d=tensors["t2d"].tolist())
         return out
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        import ray
+    def rendezvous(self, one_node: bool, stale: str | None) -> str:
+        """Rank 0: the new world's rendezvous (`rank_setup.rendezvous`); removed in `leave`."""
+        self.init_method = rendezvous(one_node, stale)
+        return self.init_method
 
-        return ray.util.get_node_ip_address(), free_port("")  # free on every interface: the ranks of other nodes connect
+    def leave(self) -> None:
+        """Rank 0, before the world is stopped: remove its rendezvous directory."""
+        leave_rendezvous(self.init_method)
 
-    def setup(self, master_addr: str, master_port: int, model_init: dict, resume: str | None = None,
-              resized: bool = False) -> dict:
-        """Create the process group, the drafter and the engine; optionally resume.
+    def setup(self, init_method: str, model_init: dict, resume: str | None = None, resized: bool = False) -> dict:
+        """Create the process group (at `init_method`), the drafter and the engine; optionally resume.
 
         `resized`: the checkpoint was written by a different data-parallel size. DeepSpeed's ZeRO
         shards hold each rank's slice of the flattened optimizer state, which another world size
@@ -106,8 +109,6 @@ class TrainerRank:
         from dspark.model import DSparkDrafter
         from dspark.training import DrafterObjective, OptimConfig, build_optimizer
 
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         # DeepSpeed builds its shared-memory allreduce op here (torch's JIT, which runs whichever
         # `ninja` PATH names). The venv has pip's ninja, hosts often another (apt's 1.11); their
         # build logs do not read each other's command hashes, so a job after a test run (or the
@@ -116,8 +117,7 @@ class TrainerRank:
         venv_bin, path = os.path.dirname(sys.executable), os.environ.get("PATH", "")
         if path.split(os.pathsep, 1)[0] != venv_bin:  # (once per process: set-up runs again at every world restart)
             os.environ["PATH"] = venv_bin + os.pathsep + path
-        backend = "nccl" if self.s.device == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        join_world(init_method, self.rank, self.world_size, "nccl" if self.s.device == "cuda" else "gloo")
         d, t = self.s.drafter, self.s.trainer
         if resume:
             load_checkpoints_without_code()

@@ -1,27 +1,54 @@
-"""What listens, and who may talk to it, on a local run: the test session's Ray (token
-authentication, as every run), a supervised Mooncake master and store daemon, a store client.
+"""What listens, and who may talk to it, while the job runs: every TCP listener that any process
+of the test session opened (this process, the session's Ray and everything it started: the
+job's actors, the Mooncake master and store daemon, the vLLM replica, the trainer ranks) is
+either on loopback or refuses a client that lacks Ray's token.
 
-Every TCP listener is on loopback, except those no switch can keep there, and each of those is
-either Ray's (which refuses a client without the token) or the store daemon's transfer-engine
-ports (Mooncake has no authentication for them: what protects the data is the samples' MAC,
-tests/unit/test_sample_format.py)."""
+No allow-list: not of ports, not of processes. A listener beyond loopback is probed as a client
+without the token would: an HTTP request must get 401/403; a gRPC server must answer Ray's
+methods with UNAUTHENTICATED (a method it serves, not just any name: Ray checks the token in
+each method's handler); anything else (an answer, another protocol) fails the test."""
 
 from __future__ import annotations
 
+import functools
+import http.client
+import http.server
+import importlib
 import ipaddress
 import os
-import subprocess
-import sys
+import pkgutil
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from cluster.config import load_config
+
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def listeners() -> list[tuple[str, int, int, str]]:
-    """(address, port, pid, process name) of every listening TCP socket, from /proc (no `ss`)."""
-    inodes = {}
+@dataclass(frozen=True)
+class Listener:
+    address: str
+    port: int
+    pid: int
+    process: str = field(compare=False)  # its command line, shortened (Ray retitles its workers as they run)
+
+    @property
+    def loopback(self) -> bool:
+        ip = ipaddress.ip_address(self.address)
+        return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def _listening_inodes() -> dict[str, tuple[str, int]]:
+    """socket inode -> (address, port) of every listening TCP socket, from /proc (no `ss`)."""
+    out = {}
     for proto in ("tcp", "tcp6"):
         for line in Path(f"/proc/net/{proto}").read_text().splitlines()[1:]:
             cols = line.split()
@@ -29,15 +56,36 @@ def listeners() -> list[tuple[str, int, int, str]]:
                 continue
             hexaddr, hexport = cols[1].split(":")
             raw = bytes.fromhex(hexaddr)
-            # /proc prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            inodes[cols[9]] = (str(ipaddress.ip_address(raw)), int(hexport, 16))
-    out = []
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
+            out[cols[9]] = (str(ipaddress.ip_address(raw)), int(hexport, 16))
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """`root` and every process below it."""
+    children: dict[int, list[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def listeners(root: int) -> set[Listener]:
+    """Every listening TCP socket held by `root` or a process below it."""
+    inodes = _listening_inodes()
+    out = set()
+    for pid in descendants(root):
+        try:
             fds = os.listdir(f"/proc/{pid}/fd")
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
         for fd in fds:
@@ -46,68 +94,169 @@ def listeners() -> list[tuple[str, int, int, str]]:
             except OSError:
                 continue
             if target.startswith("socket:[") and target[8:-1] in inodes:
-                addr, port = inodes[target[8:-1]]
-                out.append((addr, port, int(pid), f"{name} {cmd[:120]}"))
+                out.add(Listener(*inodes[target[8:-1]], pid, cmd[:160]))
     return out
 
 
-def is_loopback(addr: str) -> bool:
-    ip = ipaddress.ip_address(addr)
-    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+# ---- a client without the token --------------------------------------------------------------
+def _network_address() -> str | None:
+    """An address of this machine beyond loopback (where a wildcard listener is reached from
+    elsewhere), or None on a machine without one."""
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
 
 
-def descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
+def _target(listener: Listener) -> tuple[str, int]:
+    host = listener.address
+    if host in ("0.0.0.0", "::"):
+        host = _network_address() or "127.0.0.1"
+    elif ipaddress.ip_address(host).version == 6 and ipaddress.ip_address(host).ipv4_mapped is not None:
+        host = str(ipaddress.ip_address(host).ipv4_mapped)
+    return host, listener.port
+
+
+@functools.lru_cache(maxsize=1)
+def _ray_methods() -> tuple[str, ...]:
+    """One read-only method (Get…, List…) of every gRPC service Ray defines, from its generated
+    protocol modules: what a client would call. (Services of long polls and publishing only are
+    left out: a poll would wait, and every Ray server also serves a service listed here.)"""
+    import ray.core.generated as generated
+
+    out = []
+    for mod in pkgutil.iter_modules(generated.__path__):
+        if not mod.name.endswith("_pb2"):
+            continue
         try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
+            module = importlib.import_module(f"ray.core.generated.{mod.name}")
+        except Exception:  # noqa: BLE001 - a module this install cannot import defines nothing we reach
+            continue
+        for service in module.DESCRIPTOR.services_by_name.values():
+            names = [m.name for m in service.methods]
+            reads = [n for n in names if n.startswith(("Get", "List", "Num", "Check", "Health"))]
+            if reads:
+                out.append(f"/{service.full_name}/{reads[0]}")
+    # The raylet's object manager serves a service Ray compiles for C++ only (no Python module).
+    return (*out, "/ray.rpc.ObjectManagerService/Pull")
 
 
-def is_ray(what: str) -> bool:
-    name, _, cmd = what.partition(" ")
-    return name in ("gcs_server", "raylet") or name.startswith("ray::") or "site-packages/ray/" in cmd
-
-
-def test_local_listeners_are_loopback_or_authenticated(ray_cluster, tmp_path):
-    from cluster.store import MooncakeMaster
-    from cluster.store import NodeStore
-    from cluster.store import HiddenStateStore, StoreConfig
-
-    ray = ray_cluster
-    assert os.environ.get("RAY_AUTH_MODE") == "token"
-    # This process listens only as a Ray driver (its core worker's server) before the store starts.
-    as_driver = {(a, p) for a, p, pid, _ in listeners() if pid == os.getpid()}
-    master = MooncakeMaster(log_dir=str(tmp_path))
-    daemon = NodeStore(master.address, 64 << 20, log_dir=str(tmp_path))
-    store = HiddenStateStore(StoreConfig(master=master.address, node_client=daemon.address)).connect()
+def _http_status(host: str, port: int) -> int | None:
+    """The status of `GET /` without a token, or None where the listener does not speak HTTP/1."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
     try:
-        ours = [x for x in listeners() if descends_from(x[2], os.getpid())]  # this session's processes
-        mooncake = [x for x in ours if x[2] in (master.pid(), daemon.pid())]
-        exposed = [x for x in ours if not is_loopback(x[0])]
-        # The master's RPC and metrics and the daemon's RPC are on loopback; the daemon's transfer
-        # engine (handshake, data) cannot be: at most those two ports.
-        assert {x[2] for x in mooncake if is_loopback(x[0])} == {master.pid(), daemon.pid()}, mooncake
-        engine = [x for x in exposed if x[2] == daemon.pid()]
-        assert len(engine) <= 2, engine
-        # Everything else exposed is Ray's (it binds every interface whatever it is told): its
-        # daemons and workers, and this driver's core worker (the store client added nothing) ...
-        mine = {(x[0], x[1]) for x in exposed if x[2] == os.getpid()}
-        assert mine <= as_driver, mine - as_driver
-        rest = [x for x in exposed if x not in engine and x[2] != os.getpid()]
-        assert all(is_ray(x[3]) for x in rest), [x for x in rest if not is_ray(x[3])]
-        assert any(is_ray(x[3]) for x in exposed)
-        # ... and Ray refuses a client without the token.
-        gcs = ray.get_runtime_context().gcs_address
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
-        probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{gcs}'); print('connected')"],
-                               capture_output=True, text=True, timeout=120, env=env)
-        assert probe.returncode != 0 and "connected" not in probe.stdout, probe.stdout[-500:]
+        return urllib.request.urlopen(url, timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError, http.client.HTTPException):
+        return None
+
+
+def _grpc_codes(host: str, port: int) -> dict[str, str]:
+    """Ray's methods called without a token: method -> status code name."""
+    import grpc
+
+    out = {}
+    with grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") as channel:
+        for method in _ray_methods():
+            try:
+                channel.unary_unary(method)(b"", timeout=5)
+                out[method] = "OK"
+            except grpc.RpcError as e:
+                out[method] = e.code().name
+            if out[method] in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):  # not a gRPC server (or gone): asking on is no use
+                break
+    return out
+
+
+def refuses_without_token(listener: Listener) -> tuple[bool, str]:
+    """(refused, what a client without the token got)."""
+    host, port = _target(listener)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        return True, f"no connection from {host} ({e})"  # gone, or not reachable there: nobody gets in
+    status = _http_status(host, port)
+    if status is not None:
+        return status in (401, 403), f"HTTP {status} to GET / without a token"
+    codes = _grpc_codes(host, port)
+    seen = set(codes.values())
+    if "UNAUTHENTICATED" in seen and seen <= {"UNAUTHENTICATED", "UNIMPLEMENTED"}:
+        return True, f"gRPC: UNAUTHENTICATED on {sum(c == 'UNAUTHENTICATED' for c in codes.values())} of Ray's methods"
+    answered = {m: c for m, c in codes.items() if c != "UNIMPLEMENTED"}
+    return False, f"neither HTTP nor gRPC refused it: {answered or 'every Ray method UNIMPLEMENTED'}"
+
+
+# ---- the tests -------------------------------------------------------------------------------
+def test_the_probe_tells_a_refusal_from_an_answer(ray_cluster, mooncake_master):
+    """The probe itself, on real servers: Ray's GCS and raylet (both its ports) refuse without the token; a plain
+    HTTP server and Mooncake's metrics endpoint answer; a raw TCP listener is no refusal."""
+    ray = ray_cluster
+    gcs_host, gcs_port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
+    for name, host, port in (("gcs_server", gcs_host, int(gcs_port)),
+                             ("raylet", node["NodeManagerAddress"], node["NodeManagerPort"]),
+                             ("raylet's object manager", node["NodeManagerAddress"], node["ObjectManagerPort"])):
+        refused, why = refuses_without_token(Listener(host, port, 0, name))
+        assert refused and why.startswith("gRPC: UNAUTHENTICATED"), (name, why)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    raw = socket.socket()
+    raw.bind(("127.0.0.1", 0))
+    raw.listen()
+    try:
+        open_http = refuses_without_token(Listener("127.0.0.1", server.server_address[1], 0, "http.server"))
+        assert open_http == (False, "HTTP 200 to GET / without a token"), open_http
+        metrics = mooncake_master.info()["metrics"].rsplit(":", 1)[1].split("/")[0]
+        assert not refuses_without_token(Listener("127.0.0.1", int(metrics), 0, "mooncake_master"))[0]
+        assert not refuses_without_token(Listener("127.0.0.1", raw.getsockname()[1], 0, "raw"))[0]
     finally:
-        store.close()
-        daemon.stop()
-        master.stop()
+        server.shutdown()
+        raw.close()
+
+
+def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_cluster, smol_target, tmp_path):
+    """The local job (vLLM replica, two trainer ranks, store master and daemon), small; the
+    listeners are read every half second while it runs, and each new one beyond loopback is
+    probed at once (while it is there)."""
+    from cluster.job import TrainingJob
+
+    assert os.environ.get("RAY_AUTH_MODE") == "token"
+    cfg = load_config(ROOT / "configs" / "local.yaml", [
+        "run_name=listeners", f"output_dir={tmp_path}", "data.max_prompts=8", "data.epochs=1", "sampling.max_tokens=16",
+        "topology.groups.0.trainer_ranks_per_node=2", "trainer.batch_tokens=256", "trainer.checkpoint_interval=2",
+        "drafter.draft_vocab_size=null", "drafter.num_anchors=4", "drafter.markov_rank=16", "transport.segment_mb=256",
+        "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=5"])
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = TrainingJob(cfg).run()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            outcome["error"] = e
+
+    job = threading.Thread(target=run, daemon=True)
+    job.start()
+    seen: dict[Listener, tuple[bool, str]] = {}
+    while job.is_alive():
+        for listener in listeners(os.getpid()) - set(seen):
+            seen[listener] = (True, "loopback") if listener.loopback else refuses_without_token(listener)
+        job.join(0.5)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"]["exactly_once"]["failed"] == []
+    # The enumeration saw the job's processes while they ran, not only what was left at the end.
+    processes = " ".join(x.process for x in seen)
+    for part in ("mooncake_master", "mooncake_client", "TrainerRank", "InferenceActor", "gcs_server", "raylet"):
+        assert part in processes, f"no listener of {part} seen: {sorted({x.process[:60] for x in seen})}"
+    # A trainer rank listens as a Ray worker and for its gloo peers (the world has two ranks).
+    per_rank = Counter(x.pid for x in seen if "TrainerRank" in x.process)
+    assert max(per_rank.values()) >= 2, per_rank
+    beyond = sorted(f"{x.address}:{x.port} {x.process[:60]}: {why}" for x, (_, why) in seen.items() if not x.loopback)
+    kinds = Counter(x.process.split()[0].rsplit("/", 1)[-1] for x in seen)
+    print(f"{len(seen)} listeners seen ({dict(kinds)}), {len(beyond)} beyond loopback: {beyond}")
+    exposed = {x: why for x, (ok, why) in seen.items() if not ok}
+    assert not exposed, "listeners beyond loopback that do not refuse a client without the token:\n" + "\n".join(
+        f"  {x.address}:{x.port} pid {x.pid} {x.process[:100]}: {why}" for x, why in sorted(exposed.items(), key=str))

@@ -197,6 +197,8 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
     world = World(settings_for(tiny_target, world_data, zero_stage), 2, f"tw-z{zero_stage}")
     try:
         assert world.setup(world_data["model_init"]) == 0
+        init = world.gang.init_method
+        assert init.startswith("file://"), init  # one node: a rendezvous file in a private folder, no port
         slots = []
         for step, ranks in enumerate(world_data["steps"], start=1):
             slots.append([m.figures.get("valid_slots", 0) for m in world.step(step, ranks)])
@@ -207,6 +209,7 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
         exported = Path(world.gang.export(str(tmp_path / "final"), calibration["temperatures"], "tiny-target"))
     finally:
         world.close()
+    assert not Path(init[len("file://"):]).parent.exists()  # rank 0 removed it when the world stopped
     assert len(calibration["temperatures"]) == drafter_config().block_size
     config = json.loads((exported / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
