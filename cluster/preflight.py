@@ -196,16 +196,16 @@ def ray_head_address(environ=os.environ, record: Path | None = None) -> RayHead 
     return RayHead(text, record) if text else None
 
 
-def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> RayHead | None:
     """A TCP connect to the head's GCS within `timeout_s`, before `ray.init`: against a head
     that died (a crash, a reboot that left the record behind), `ray.init` waits on its address
     without end, saying only "Connecting to existing Ray cluster"."""
     head = ray_head_address(environ, record)
     if head is None:
-        return
+        return None
     host, _, port = head.address.rpartition(":")
     if not host or not port.isdigit():
-        return  # not host:port: Ray's own error names it
+        return head  # not host:port: Ray's own error names it
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
@@ -219,3 +219,4 @@ def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: fl
                           f"behind). Remove that file (or run `ray stop`, which also stops this user's other Ray "
                           f"processes here) and the job starts its own Ray; or set RAY_ADDRESS=host:port to a running "
                           f"head") from None
+    return head

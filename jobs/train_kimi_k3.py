@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         conversations = check_inputs(cfg)
         lock = RunDirLock(cfg.run_dir).acquire()  # noqa: F841 - held until this process ends
-        check_ray_head()
+        head = check_ray_head()
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.job import TrainingJob
     from dspark.tau_report import fmt, format_table
 
+    if head is None:
+        # No head to join: ray.init starts one for this job alone. Ray's one-machine switch keeps
+        # every listener of it on loopback (else Ray turns 127.0.0.1 into the machine's address),
+        # as scripts/run_local.sh does for its head.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     warn_short_stop_wait()
     if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)

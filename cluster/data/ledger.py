@@ -130,6 +130,7 @@ class SampleLedger(GenerationSide, TrainingSide):
                 self._per_epoch[(PENDING, e)] += 1
         self._reserved_members: dict[str, dict[str, None]] = {s: {} for s in STATES}  # (as _members, for reserved)
         self._pending[RESERVED] = {}
+        self._pending_holes = Counter()  # per epoch: keys deleted from its pending pool since it was built
         for p in reserved:
             entry = Entry(p["id"], RESERVED)
             self.messages[p["id"]] = p["messages"]
@@ -164,7 +165,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._per_epoch[(old, e.epoch)] -= 1
         self._per_epoch[(state, e.epoch)] += 1
         if old == PENDING:
-            del self._pending[e.epoch][e.uid]
+            self._pending_remove(e)
             self._orphans.pop(e.uid, None)
         if state == PENDING:
             self._pending[e.epoch][e.uid] = None
@@ -174,6 +175,16 @@ class SampleLedger(GenerationSide, TrainingSide):
             nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
             if nxt is not None and nxt.state == PENDING:  # (a lease hands it the sample right after)
                 self._orphans[nxt.uid] = None
+
+    def _pending_remove(self, e: Entry) -> None:
+        """Out of its epoch's pending pool, which is compacted once its holes outnumber what it
+        holds: a dict keeps the slot of every key deleted from it until it grows again, and
+        iterating it walks them (a request at 10^6 prompts walked half a million: 0.4 ms)."""
+        pool = self._pending[e.epoch]
+        del pool[e.uid]
+        holes = self._pending_holes[e.epoch] = self._pending_holes[e.epoch] + 1
+        if holes > len(pool) + 1024:
+            self._pending[e.epoch], self._pending_holes[e.epoch] = dict(pool), 0
 
     def _in(self, *states: str) -> list[Entry]:
         """Entries in these states, in ledger order (epoch-major). For the states that hold

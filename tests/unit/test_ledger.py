@@ -406,3 +406,14 @@ def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
 def test_reserved_ids_must_differ_from_the_training_ids():
     with pytest.raises(LedgerError, match="unique"):
         SampleLedger(prompts(2), reserved=[{"id": "p1", "messages": []}])
+
+
+def test_handing_out_thousands_keeps_the_order_through_the_pools_compaction():
+    # The pending pool is rebuilt once more than 1024 of its keys are gone: the order it hands
+    # prompts out in is the same before and after (epoch 0 in generation order).
+    ledger = SampleLedger(prompts(3000), epochs=2)
+    handed = [p["uid"] for _ in range(30) for p in ledger.request_prompts("r0", 100)]
+    assert handed == [f"p{i}@0" for i in range(3000)]
+    ledger.replica_died("r0")  # all 3000 back to pending (in ledger order), retried alone first...
+    first = ledger.request_prompts("r1", 5)
+    assert [p["uid"] for p in first] == ["p0@0"]  # ...suspects go one at a time
