@@ -20,8 +20,11 @@ PERSONA_TEMPLATE = (
 
 
 # Pinned in the replay-backend job tests (faults, autoscaler): what they judge does not depend on
-# the local default's warm start, its split of threads or its extra evaluation sets.
-REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2"]
+# the local default's warm start, its split of threads, its extra evaluation sets or its
+# calibration split (generated after epoch 0 and awaited at the end: tests/integration/test_job.py
+# checks it).
+NO_CALIBRATION = "data.calibration_prompts=0"
+REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION]
 
 
 def eager_target(path, **fields) -> TargetConfig:
