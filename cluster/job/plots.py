@@ -2,8 +2,9 @@
 (`cluster.job.history`) and its evaluation:
 
 - `training.png`: loss and τ~ against step and against wall clock;
-- `acceptance.png`: acceptance per draft position, the last training steps' and each
-  evaluation set's;
+- `acceptance.png`: acceptance per draft position: each evaluation set's (how often the k-th
+  draft was accepted) and, for comparison of shapes only, training's expected acceptance c* of
+  each slot over the last steps (not conditioned on the slots before it, so higher);
 - `tau_per_category.png`: τ per category for each evaluation set;
 - `generation.png`: generation tok/s per group and the trainer's data wait against wall clock.
 
@@ -48,7 +49,7 @@ def plot_data(rows: list[dict], evaluations: dict[str, dict]) -> dict[str, dict]
         },
         "acceptance": {
             "acceptance per draft position": {
-                "training (last steps)": (list(range(1, len(training_acceptance(rows)) + 1)), training_acceptance(rows)),
+                "training: c* per slot, last steps": (list(range(1, len(training_acceptance(rows)) + 1)), training_acceptance(rows)),
                 **{f"eval {name}": (list(range(1, len(e.get("per_position_acceptance") or []) + 1)),
                                     list(e.get("per_position_acceptance") or [])) for name, e in evaluations.items()},
             },

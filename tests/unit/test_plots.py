@@ -39,7 +39,7 @@ def test_pictures_show_the_history_and_the_evaluation(tmp_path):
     expect = [sum(0.5 + s / 100 for s in range(11, 31)) / 20, 0.25]
     assert training_acceptance(rows) == expect
     acceptance = drawn["acceptance"]["data"]["acceptance per draft position"]
-    assert acceptance["training (last steps)"] == ([1, 2], expect)
+    assert acceptance["training: c* per slot, last steps"] == ([1, 2], expect)
     assert acceptance["eval ood"] == ([1, 2], [0.5, 0.2])
     assert drawn["tau_per_category"]["data"]["tau per category: held-out"]["tau"] == (["chat", "code"], [1.7, 1.4])
     generation = drawn["generation"]["data"]
