@@ -98,8 +98,9 @@ class SampleLedger(GenerationSide, TrainingSide):
         some (an upper bound keeps the first request small); 0: prompts in generation are not
         counted against the watermark."""
         ids = [p["id"] for p in prompts]
-        if len(set(ids + [p["id"] for p in reserved])) != len(ids) + len(reserved):
-            dup = [k for k, n in Counter(ids).items() if n > 1][:5]
+        every = ids + [p["id"] for p in reserved]
+        if len(set(every)) != len(every):
+            dup = [k for k, n in Counter(every).items() if n > 1][:5]
             raise LedgerError(f"prompt ids must be unique; duplicated: {dup}")
         self.key_prefix, self.epochs = key_prefix, epochs
         self.messages = {p["id"]: p["messages"] for p in prompts}

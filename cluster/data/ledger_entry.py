@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
 STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
 QUARANTINE = "quarantined with "  # the error of a prompt's copies that fail because another copy did
-UNBOUNDED = (1 << 62, 1 << 61)
-RESERVED = -1  # the epoch of a reserved entry: generated like the others, never trained  # (high, low) watermark bytes of a group nobody configured
+UNBOUNDED = (1 << 62, 1 << 61)  # (high, low) watermark bytes of a group nobody configured
+RESERVED = -1  # the epoch of a reserved entry: generated like the others, never trained
 
 
 @dataclass

@@ -11,7 +11,7 @@ from cluster.preflight import read_checked, read_prompt_files, repo_path
 
 log = logging.getLogger("dspark.job")
 
-__all__ = ["check_eval_sets", "load_prompts", "repo_path"]
+__all__ = ["calibration_split", "check_eval_sets", "load_prompts", "repo_path"]
 
 
 def load_prompts(cfg: JobConfig, conversations: list | None = None):

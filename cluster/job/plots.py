@@ -40,6 +40,15 @@ def plot_data(rows: list[dict], evaluations: dict[str, dict]) -> dict[str, dict]
     """What each picture draws: name -> panel -> series name -> (x, y)."""
     progress = [r for r in rows if r["kind"] == "progress"]
     groups = sorted({g for r in progress for g in r["tokens_per_s"]})
+    trained = training_acceptance(rows)
+
+    def positions(acceptance: list[float]) -> tuple[list[int], list[float]]:
+        return list(range(1, len(acceptance) + 1)), list(acceptance)
+
+    def category_taus(evaluation: dict) -> tuple[list[str], list[float]]:
+        measured = sorted(c for c, f in evaluation.get("per_category", {}).items() if f.get("tau") is not None)
+        return measured, [evaluation["per_category"][c]["tau"] for c in measured]
+
     return {
         "training": {
             "loss by step": {"loss": _series(rows, "step", "step", "loss")},
@@ -49,17 +58,12 @@ def plot_data(rows: list[dict], evaluations: dict[str, dict]) -> dict[str, dict]
         },
         "acceptance": {
             "acceptance per draft position": {
-                "training: c* per slot, last steps": (list(range(1, len(training_acceptance(rows)) + 1)), training_acceptance(rows)),
-                **{f"eval {name}": (list(range(1, len(e.get("per_position_acceptance") or []) + 1)),
-                                    list(e.get("per_position_acceptance") or [])) for name, e in evaluations.items()},
+                "training: c* per slot, last steps": positions(trained),
+                **{f"eval {name}": positions(e.get("per_position_acceptance") or []) for name, e in evaluations.items()},
             },
         },
         "tau_per_category": {
-            f"tau per category: {name}": {
-                "tau": (sorted(c for c, f in e.get("per_category", {}).items() if f.get("tau") is not None),
-                        [e["per_category"][c]["tau"] for c in sorted(c for c, f in e.get("per_category", {}).items()
-                                                                     if f.get("tau") is not None)])}
-            for name, e in evaluations.items()
+            f"tau per category: {name}": {"tau": category_taus(e)} for name, e in evaluations.items()
         },
         "generation": {
             "generation tok/s by wall clock (s)": {

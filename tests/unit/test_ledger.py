@@ -404,7 +404,7 @@ def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
 
 
 def test_reserved_ids_must_differ_from_the_training_ids():
-    with pytest.raises(LedgerError, match="unique"):
+    with pytest.raises(LedgerError, match=r"unique; duplicated: \['p1'\]"):
         SampleLedger(prompts(2), reserved=[{"id": "p1", "messages": []}])
 
 
