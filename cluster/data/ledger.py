@@ -114,6 +114,10 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._pending: dict[int, dict[str, None]] = {e: {} for e in range(epochs)}
         self._per_epoch = Counter()
         self._orphans: dict[str, None] = {}
+        # Keys of attempts given up on while their put may have landed (the producer died or was
+        # declared dead before it reported, or reported after): nobody else will ever remove
+        # them. Not in the checkpoint: a restarted job starts a new store.
+        self._abandoned: list[str] = []
         # With deterministic (greedy) regeneration, epoch e+1 would produce the very same sample:
         # keep it in the store and hand it to the next epoch instead of regenerating it.
         self.reuse = reuse_across_epochs
@@ -203,6 +207,12 @@ class SampleLedger(GenerationSide, TrainingSide):
     def key_for(self, e: Entry, group: str) -> str:
         # attempt in the key: a regenerated sample never aliases a stale object
         return f"{self.key_prefix}/{group}/{e.prompt_id}@{e.epoch}.{e.attempts}"
+
+    def abandoned_keys(self) -> list[str]:
+        """The keys of abandoned attempts since the last call (see `_abandoned`), for the
+        caller to remove from the store with what it commits; each key is returned once."""
+        keys, self._abandoned = self._abandoned, []
+        return keys
 
     def groups(self) -> list[str]:
         return sorted(set(self.watermarks) | self.index.groups())
@@ -364,19 +374,27 @@ class SampleLedger(GenerationSide, TrainingSide):
         goes back to pending, since the replicas and leases it referred to are gone.
 
         Returns the keys the saved state referenced, which may still linger in the store
-        (stored before the crash, or trained but not yet removed): the caller removes them.
+        (stored before the crash, or trained but not yet removed), and, loaded into a ledger
+        that lived on (a trainer that went back to its checkpoint), the keys it held: the
+        caller removes them. Attempts never go back (a key is never handed out twice), and
+        the keys of samples in generation are removed at the next commit (`abandoned_keys`).
         """
         known = {f"{d['prompt_id']}@{d['epoch']}": d for d in state["entries"]}
         stale = [d["ref"]["key"] for d in state["entries"] if d.get("ref")]
+        for e in self._in(STORED, LEASED):
+            if e.ref and not e.released:
+                stale.append(e.ref["key"])
+        self._abandoned += [self.key_for(e, e.group) for e in self._in(GENERATING)]
+        stale = list(dict.fromkeys(stale))
         for uid, e in self.entries.items():
             d = known.get(uid)
             if d and d["state"] in (TRAINED, FAILED):
                 self._set(e, d["state"], trained_at_step=d.get("trained_at_step"), tokens=d.get("tokens", 0),
-                          attempts=d.get("attempts", 0), errors=list(d.get("errors", [])), ref=d.get("ref"),
+                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=d.get("ref"),
                           group=d.get("group"), step=d.get("step"), rank=d.get("rank"), crossed=d.get("crossed", False))
             else:
                 self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, replica=None, group=None, crossed=False,
-                          released=False, attempts=d.get("attempts", 0) if d else 0)
+                          released=False, attempts=max(e.attempts, d.get("attempts", 0) if d else 0))
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))
         self.group_totals = defaultdict(Counter, {g: Counter(c) for g, c in state.get("group_totals", {}).items()})

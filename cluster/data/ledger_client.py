@@ -73,6 +73,9 @@ class LedgerClient:
     def commit(self, step: int) -> list[str]:
         return self._get(self.handle.commit.remote(step))
 
+    def abandoned_keys(self) -> list[str]:
+        return self._get(self.handle.abandoned_keys.remote())
+
     def trainer_restarted(self, committed_step: int) -> int:
         return self._get(self.handle.trainer_restarted.remote(committed_step))
 

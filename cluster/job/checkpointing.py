@@ -23,7 +23,8 @@ def checkpoint(job) -> Path:
     rows = job.record.commit(step)  # before the rename: a crash in between rolls these rows back
     job.gang.save_checkpoint(tmp, dest, step, state, {"step": step, "record_rows": rows, "lr_horizon": job.total_steps})
     keys = job.ledger.commit(step)
-    job.gang.remove_keys(keys)
+    # with what was trained, the objects of attempts given up on (a replica that died mid-put)
+    job.gang.remove_keys(keys, job.ledger.abandoned_keys())
     job.uncommitted = []
     job.checkpoints.rotate()
     log.info("checkpoint at step %d (%d record rows; %d samples left the store)", step, rows, len(keys))

@@ -44,6 +44,21 @@ class MooncakeMaster(SupervisedProcess):
     def info(self) -> dict:
         return {**super().info(), "metrics": f"http://{self.host}:{self.metrics_port}/metrics"}
 
+    def stored_objects(self, timeout_s: float = 5.0) -> dict:
+        """What the master holds now, from its own Prometheus endpoint: `keys` and
+        `allocated_bytes`. A job that removes what it trained ends with none: anything left is a
+        leak (an object whose put outlived the attempt that made it, or a key nobody removed)."""
+        import urllib.request
+
+        metrics = self.info()["metrics"]
+        with urllib.request.urlopen(metrics, timeout=timeout_s) as r:  # noqa: S310 - our own loopback endpoint
+            lines = r.read().decode().splitlines()
+        values = dict(line.split(" ", 1) for line in lines if line and not line.startswith("#") and " " in line)
+        try:
+            return {"keys": int(float(values["master_key_count"])), "allocated_bytes": int(float(values["master_allocated_bytes"]))}
+        except KeyError as e:
+            raise RuntimeError(f"mooncake_master's metrics at {metrics} have no {e}: its metric names changed") from e
+
     def after_start(self) -> None:
         if not self.segment_bytes:
             return

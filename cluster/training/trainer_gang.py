@@ -178,9 +178,10 @@ class TrainerGang:
         return all(self._on_all(lambda r: r.parameters_finite.remote(), "parameters_finite"))
 
     # ---- rank 0's services to the job -----------------------------------------------------
-    def remove_keys(self, keys: list[str]) -> int:
-        """Drop samples from the store (rank 0 is a store client like any); how many were there."""
-        return self._on_rank0(lambda r: r.remove_keys.remote(keys), "remove_keys")
+    def remove_keys(self, keys: list[str], abandoned: list[str] = ()) -> int:
+        """Drop samples from the store (rank 0 is a store client like any); how many were there.
+        `abandoned`: objects of attempts given up on, removed where the store lets them go."""
+        return self._on_rank0(lambda r: r.remove_keys.remote(keys, list(abandoned)), "remove_keys")
 
     def read_drafter(self, drafter_dir: str) -> dict:
         """A checkpointed drafter's config and vocab mapping, what `setup` rebuilds it from."""

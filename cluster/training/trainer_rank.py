@@ -55,9 +55,20 @@ class TrainerRank:
 
         self.store = HiddenStateStore(self.s.store).connect()
 
-    def remove_keys(self, keys: list[str]) -> int:
-        """Drop committed (or stale) samples from the store; Mooncake will not evict them."""
-        return sum(self.store.remove(k) for k in keys)
+    def remove_keys(self, keys: list[str], abandoned: list[str] = ()) -> int:
+        """Drop committed (or stale) samples from the store; Mooncake will not evict them.
+        `abandoned`: objects of attempts given up on (their producer died mid-put); one the
+        store refuses to remove (a put that never ended) is named on stderr, not fatal: the
+        commit must not fail over a sample nobody will read."""
+        from cluster.store import StoreError
+
+        removed = sum(self.store.remove(k) for k in keys)
+        for k in abandoned:
+            try:
+                removed += self.store.remove(k)
+            except StoreError as e:
+                print(f"[dspark] abandoned sample {k} stays in the store: {e}", file=sys.stderr, flush=True)
+        return removed
 
     def vocab_mapping(self, rows: list[LeasedSample], prompt_texts: list[str] = ()) -> dict:
         """Draft vocabulary before any training: the answers' tokens in the first stored samples

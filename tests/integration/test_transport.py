@@ -104,7 +104,15 @@ class Consumer:
         os.replace(self.ckpt + ".tmp", self.ckpt)
         for k in ray.get(self.ledger.commit.remote(self.step)):
             self.store.remove(k)
+        for k in ray.get(self.ledger.abandoned_keys.remote()):  # as the trainer's rank 0 does
+            try:
+                self.store.remove(k)
+            except StoreError:
+                pass
         self.committed = self.step
+
+    def existing(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if self.store.exists(k)]
 
     def seen_uids(self) -> list[str]:
         return list(self.seen)
@@ -209,6 +217,7 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     stats = ray.get([p.stats.remote() for p in producers.values()])
     for p in producers.values():
         ray.get(p.stop.remote())
+    report["left_in_store"] = left_in_store(ray, ledger, master, consumer, scenario)
     report["daemon_restarts"] = ray.get(daemon.info.remote())["restarts"] if daemon else 0
     if daemon:
         ray.get(daemon.stop.remote())
@@ -216,6 +225,22 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     for a in [consumer, ledger, master, *producers.values(), *([daemon] if daemon else [])]:
         ray.kill(a)
     return seen, report, events, stats
+
+
+def left_in_store(ray, ledger, master, consumer, key_prefix: str) -> dict:
+    """What the store still holds once every sample is trained and committed and the producers
+    stopped: the master's own key count and byte count, and every key the ledger could ever
+    have handed out (each prompt × epoch × attempt) asked one by one. A put that outlived the
+    attempt it belonged to (a flush given up on a full store) would leave its object here."""
+    rows = ray.get(ledger.state_dict.remote())["entries"]
+    keys = [f"{key_prefix}/g0/{r['prompt_id']}@{r['epoch']}.{a}" for r in rows for a in range(r["attempts"] + 2)]
+    deadline = time.monotonic() + 10.0  # the master's gauges follow its removes within a moment
+    while True:
+        held = ray.get(master.stored_objects.remote())
+        if held["keys"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return {**held, "asked": len(keys), "existing": ray.get(consumer.existing.remote(keys))}
 
 
 # The default run keeps one scenario per failure of the data path itself (the master, the daemon,
@@ -246,6 +271,10 @@ def test_exactly_once_after_failure(scenario, segment_host, ray_cluster, sample_
         assert report["missing_reported"] > 0, "the samples the daemon held were never found missing and regenerated"
     if scenario == "full_store":
         assert sum(s["full_waits"] for s in stats) > 0, "the store never filled: the test did not test backpressure"
+    # Leaks nothing: every trained sample was removed, and no put outlived its attempt.
+    left = report["left_in_store"]
+    assert left["asked"] >= 2 * n and left["existing"] == [], left
+    assert (left["keys"], left["allocated_bytes"]) == (0, 0), left
 
 
 def test_store_client_fails_fast_without_master():

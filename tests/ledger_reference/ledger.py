@@ -104,6 +104,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._pending: dict[int, dict[str, None]] = {e: {} for e in range(epochs)}
         self._per_epoch = Counter()
         self._orphans: dict[str, None] = {}
+        self._abandoned: list[str] = []  # (added on purpose with the ledger's: abandoned attempts' keys)
         # With deterministic (greedy) regeneration, epoch e+1 would produce the very same sample:
         # keep it in the store and hand it to the next epoch instead of regenerating it.
         self.reuse = reuse_across_epochs
@@ -169,6 +170,10 @@ class SampleLedger(GenerationSide, TrainingSide):
     def key_for(self, e: Entry, group: str) -> str:
         # attempt in the key: a regenerated sample never aliases a stale object
         return f"{self.key_prefix}/{group}/{e.prompt_id}@{e.epoch}.{e.attempts}"
+
+    def abandoned_keys(self) -> list[str]:
+        keys, self._abandoned = self._abandoned, []
+        return keys
 
     def groups(self) -> list[str]:
         known = set(self.watermarks) | {e.group for s in (GENERATING, STORED, LEASED) for e in self._in(s) if e.group}
@@ -331,15 +336,19 @@ class SampleLedger(GenerationSide, TrainingSide):
         """
         known = {f"{d['prompt_id']}@{d['epoch']}": d for d in state["entries"]}
         stale = [d["ref"]["key"] for d in state["entries"] if d.get("ref")]
+        # (changed on purpose with the ledger's: a live ledger's keys are returned too, attempts never go back)
+        stale += [e.ref["key"] for e in self._in(STORED, LEASED) if e.ref and not e.released]
+        self._abandoned += [self.key_for(e, e.group) for e in self._in(GENERATING)]
+        stale = list(dict.fromkeys(stale))
         for uid, e in self.entries.items():
             d = known.get(uid)
             if d and d["state"] in (TRAINED, FAILED):
                 self._set(e, d["state"], trained_at_step=d.get("trained_at_step"), tokens=d.get("tokens", 0),
-                          attempts=d.get("attempts", 0), errors=list(d.get("errors", [])), ref=d.get("ref"),
+                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=d.get("ref"),
                           group=d.get("group"), step=d.get("step"), rank=d.get("rank"), crossed=d.get("crossed", False))
             else:
                 self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, replica=None, group=None, crossed=False,
-                          released=False, attempts=d.get("attempts", 0) if d else 0)
+                          released=False, attempts=max(e.attempts, d.get("attempts", 0) if d else 0))
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))
         self.group_totals = defaultdict(Counter, {g: Counter(c) for g, c in state.get("group_totals", {}).items()})

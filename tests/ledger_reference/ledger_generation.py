@@ -71,6 +71,8 @@ class GenerationSide:
                 # A late report for a prompt already returned to pending (replica declared dead):
                 # ignore it, the prompt is being regenerated elsewhere.
                 self.events.append({"event": "stale_report", "uid": r["uid"], "replica": replica})
+                if r.get("ref"):
+                    self._abandoned.append(r["ref"]["key"])
                 continue
             if r.get("error") or not r.get("ref"):
                 self._retry_or_fail(e, str(r.get("error")))
@@ -88,6 +90,7 @@ class GenerationSide:
         that takes it ends FAILED alone, the others of its batch go through."""
         lost = [e for e in self._in(GENERATING) if e.replica == replica]
         for e in lost:
+            self._abandoned.append(self.key_for(e, e.group))
             e.suspect = True
             self._retry_or_fail(e, f"replica {replica} died while generating it" + (f": {cause}" if cause else ""))
         self.events.append({"event": "replica_died", "replica": replica, "returned": len(lost)})

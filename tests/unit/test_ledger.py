@@ -31,7 +31,10 @@ def produce(ledger, replica, n, rng, fail_rate=0.0, group="g0", nbytes=1000):
 @pytest.mark.parametrize("seed", range(20))
 def test_random_failures_keep_exactly_once(seed, tmp_path):
     """Two groups (replicas r0/r1 in g0, r2 in g1), three ranks (two in g0, one in g1). The
-    training record, rolled back with the model at every trainer crash, is the proof."""
+    training record, rolled back with the model at every trainer crash, is the proof. Beside
+    it, a model of the store (a set of keys: a put lands when the replica makes it, even if the
+    replica then dies unreported; a master restart empties it; whoever commits removes what the
+    ledger returns) proves the ledger leaks nothing and never lets a leased sample go."""
     rng = random.Random(seed)
     ledger = SampleLedger(prompts(40), epochs=2, watermarks={"g0": (15_000, 8_000), "g1": (6_000, 2_000)},
                           max_attempts=50, reuse_across_epochs=seed % 2 == 1)
@@ -43,12 +46,14 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
     in_flight = {}  # replica -> results not yet reported
     generation = 1
     ledger.master_restarted(generation)
+    store: set[str] = set()
+    lost_with_master: set[str] = set()  # put before a restart, reported after: found gone at the read
 
     def commit():
         nonlocal checkpoint
         rows = record.commit(step)
         checkpoint = {"step": step, "state": ledger.checkpoint_state(step), "rows": rows}
-        ledger.commit(step)
+        store.difference_update(ledger.commit(step) + ledger.abandoned_keys())
 
     for _ in range(2000):
         if not ledger.outcome()["unfinished"]:
@@ -58,6 +63,7 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         if action < 0.35:
             if replica not in in_flight:
                 in_flight[replica] = produce(ledger, replica, rng.randint(1, 6), rng, 0.1, groups[replica])[1]
+                store.update(r["ref"]["key"] for r in in_flight[replica] if "ref" in r)  # puts land before the report
         elif action < 0.6 and in_flight:
             r = rng.choice(sorted(in_flight))
             ledger.report_produced(r, in_flight.pop(r))
@@ -68,9 +74,13 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         elif action < 0.64:
             generation += 1
             ledger.master_restarted(generation)
+            lost_with_master.update(r["ref"]["key"] for rs in in_flight.values() for r in rs if "ref" in r)
+            store.clear()
         elif action < 0.85:
             lease = ledger.lease_step(step + 1, rank_groups, batch_tokens=60)
             if lease:
+                gone = [r["uid"] for rows in lease for r in rows if r["ref"]["key"] not in store | lost_with_master]
+                assert not gone, f"leased samples whose objects were removed: {gone}"
                 step += 1
                 for rank, rows in enumerate(lease):  # what each rank "trained"
                     record.add(step, rank, rank_groups[rank], [TrainedSample(r["uid"], r["group"]) for r in rows])
@@ -79,11 +89,12 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         else:  # trainer crash: the model goes back to the checkpoint, the ledger and the record follow it
             step = checkpoint["step"]
             record.rollback_to(checkpoint["rows"])
-            ledger.load_state_dict(checkpoint["state"], master_generation=generation)
+            store.difference_update(ledger.load_state_dict(checkpoint["state"], master_generation=generation))
             in_flight.clear()
         if ledger.drained() and not in_flight:  # drain at the end: nothing more to lease → checkpoint
             commit()
     assert not ledger.outcome()["unfinished"], ledger.counts()
+    assert store == set(), f"{len(store)} objects left in the store, e.g. {sorted(store)[:3]}"
     proof = record.verify(ledger.outcome())
     failed = proof["failed"]
     assert proof["per_epoch"] == {"0": 40 - sum(u.endswith("@0") for u in failed), "1": 40 - sum(u.endswith("@1") for u in failed)}

@@ -88,6 +88,7 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
         elif op < 0.90 and step > committed:
             assert new.checkpoint_state(step) == saved(ref.checkpoint_state(step))
             both("commit", step)
+            both("abandoned_keys")
             committed = step
         elif op < 0.93:
             both("trainer_restarted", committed)
