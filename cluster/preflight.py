@@ -37,9 +37,18 @@ def check_inputs(cfg: JobConfig) -> list:
     check_target_path(cfg)
     conversations = read_prompt_files(cfg)
     check_split(cfg, conversations)
-    for name, src in cfg.data.eval_sets.items():
-        read_checked(repo_path(src), f"data.eval_sets.{name}")
+    for where, src in judged_sets(cfg).items():
+        read_checked(repo_path(src), where)
     return conversations
+
+
+def judged_sets(cfg: JobConfig) -> dict[str, str]:
+    """The prompt files the job judges the drafter on besides the held-out split, by the config
+    key that names each: `data.eval_sets.<name>` and `data.long_context_prompts`."""
+    out = {f"data.eval_sets.{name}": src for name, src in cfg.data.eval_sets.items()}
+    if cfg.data.long_context_prompts:
+        out["data.long_context_prompts"] = cfg.data.long_context_prompts
+    return out
 
 
 def check_output_dir(cfg: JobConfig) -> None:

@@ -360,15 +360,25 @@ def greedy_mismatches(model, prompt_ids: list[int], output: list[int]) -> list[i
 
 
 @torch.no_grad()
-def greedy_mismatches_many(model, prompts: list[list[int]], outputs: list[list[int]], max_rows: int = 8) -> list[list[int]]:
-    """`greedy_mismatches` of several outputs, up to `max_rows` teacher-forced sequences per
-    forward. Rows are left-padded (masked, positions per row), so every output ends at the last
-    column and one `logits_to_keep` covers them all; rows are grouped by length to pad little."""
+def greedy_mismatches_many(model, prompts: list[list[int]], outputs: list[list[int]], max_rows: int = 8,
+                           max_batch_tokens: int = 8192) -> list[list[int]]:
+    """`greedy_mismatches` of several outputs, up to `max_rows` teacher-forced sequences and
+    `max_batch_tokens` padded tokens per forward (a masked forward pays for every padded
+    position, quadratically in attention: 8 rows padded to a 7K-token prompt took 317 s on 2
+    cores, one row at a time a fraction of it). Rows are left-padded (masked, positions per
+    row), so every output ends at the last column and one `logits_to_keep` covers them all;
+    rows are grouped by length to pad little."""
     dev = next(model.parameters()).device
     found: list[list[int]] = [[] for _ in prompts]
     order = sorted((i for i in range(len(prompts)) if outputs[i]), key=lambda i: len(prompts[i]) + len(outputs[i]))
-    for start in range(0, len(order), max_rows):
-        rows = order[start: start + max_rows]
+    batches: list[list[int]] = []
+    for i in order:  # sorted by length: the newest row is the longest and sets the padded width
+        width = len(prompts[i]) + len(outputs[i]) - 1
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * width <= max_batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    for rows in batches:
         seqs = [[*prompts[i], *outputs[i][:-1]] for i in rows]
         width, keep = max(map(len, seqs)), max(len(outputs[i]) for i in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)

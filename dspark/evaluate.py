@@ -19,6 +19,12 @@ output identical to the target's own, token for token; null when sampling),
 figures drafters are judged by (`per_category` — from each prompt's `category` —, `macro_tau`,
 `percentiles` of per-request τ, `by_prompt_length`; see `dspark.tau_report`) and the
 per-request details. `--limit` takes prompts round-robin over categories.
+
+`--plan FILE.json` judges several sets, each its own way, with one load of the target and the
+drafter (what the training job runs): a list of `EvalSet` fields per set, e.g. the held-out split
+greedy, the same split sampled at temperature 0.7 with the served recipe's draft sampling and
+rejection (`"recipe": true`, `dspark.recipe`), and a long-context set taking `per_length_bucket`
+prompts from each context-length bucket.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -35,21 +42,72 @@ import torch
 from .checkpoint import load_drafter
 from .decoder import SpeculativeDecoder, greedy_mismatches_many, target_generate
 from .prompts import read_conversations, split
+from .recipe import speculative_config
 from .scheduler import StepRateTable
-from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
+from .tau_report import DEFAULT_LENGTH_EDGES, RequestResult, fmt, format_length_table, format_table, stratified, summarize
 from .chat import ChatFormat, render_prompt
 from .targets import load_target
 
 log = logging.getLogger("dspark.evaluate")
 
 
+@dataclass(frozen=True)
+class EvalSet:
+    """One prompt set and how it is judged (an entry of `--plan`; the plain flags make one per
+    `--prompts`). `recipe`: draft and verify as the drafter's served recipe says (`dspark.recipe`:
+    probabilistic drafting and block rejection for `dspark`), instead of the command's methods.
+    `per_length_bucket`: this many prompts from each context-length bucket (round-robin over
+    categories inside a bucket) instead of `limit` round-robin over categories."""
+
+    prompts: str
+    json: str
+    temperature: float = 0.0
+    limit: int | None = None
+    max_new_tokens: int = 128
+    recipe: bool = False
+    per_length_bucket: int | None = None
+    max_prompt_tokens: int | None = None  # with per_length_bucket: longer prompts left out
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str) -> "EvalSet":
+        known = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not {"prompts", "json"} <= set(raw) or set(raw) - known:
+            raise SystemExit(f"{where}: each set is a mapping with prompts and json, and only {sorted(known)}; got {raw!r}")
+        out = cls(**raw)
+        if out.temperature < 0 or out.max_new_tokens < 1 or (out.limit is not None and out.limit < 1) \
+                or (out.per_length_bucket is not None and out.per_length_bucket < 1):
+            raise SystemExit(f"{where}: a negative temperature, or a limit, per_length_bucket or max_new_tokens below 1: {raw!r}")
+        if out.max_prompt_tokens is not None and (out.per_length_bucket is None or out.max_prompt_tokens < 1):
+            raise SystemExit(f"{where}: max_prompt_tokens goes with per_length_bucket, and is at least 1: {raw!r}")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def plan_sets(args: argparse.Namespace) -> list[EvalSet]:
+    """The sets to judge: the `--plan` file's, or one per `--prompts` with the command's settings."""
+    if args.plan:
+        try:
+            raw = json.loads(Path(args.plan).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--plan {args.plan}: {e}") from None
+        if not isinstance(raw, list) or not raw:
+            raise SystemExit(f"--plan {args.plan}: a JSON list of sets, not {type(raw).__name__}")
+        return [EvalSet.from_dict(r, f"--plan {args.plan} set {i}") for i, r in enumerate(raw)]
+    return [EvalSet(p, o, args.temperature, args.limit, args.max_new_tokens) for p, o in zip(args.prompts, args.json_out)]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True, help="drafter checkpoint dir (speculators format)")
-    p.add_argument("--prompts", required=True, action="append",
+    p.add_argument("--prompts", action="append", default=[],
                    help="repeat it, each with its own --json: the sets are judged with the target and drafter loaded once")
-    p.add_argument("--json", required=True, action="append", dest="json_out")
+    p.add_argument("--json", action="append", dest="json_out", default=[])
+    p.add_argument("--plan", default=None, help="a JSON list of sets, each with its own settings (EvalSet); "
+                                                 "in place of --prompts/--json")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--limit", type=int, default=None)
@@ -85,12 +143,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: at least 1")
+    if bool(args.plan) == bool(args.prompts):
+        p.error("either --plan or --prompts (with --json), not both, not neither")
     if len(args.prompts) != len(args.json_out):
         p.error(f"{len(args.prompts)} --prompts but {len(args.json_out)} --json: one output per prompt set")
     return args
 
 
-def check_remote_code(args: argparse.Namespace) -> None:
+def check_remote_code(args: argparse.Namespace) -> dict:
     """A drafter whose target needs its own code (config.json `target_trust_remote_code`) is
     evaluated only with --trust-remote-code: the drafter is data, possibly downloaded, and must
     not decide that the target directory's code runs."""
@@ -102,19 +162,44 @@ def check_remote_code(args: argparse.Namespace) -> None:
         raise SystemExit(f"--drafter {args.drafter} was trained on a target that runs its own model code "
                          f"(target_trust_remote_code in its config.json): pass --trust-remote-code if you trust the "
                          f"code in {args.target}")
+    return raw
 
 
-def read_prompt_set(args: argparse.Namespace, path: str) -> list:
-    convs, report = read_conversations(path)
+def read_prompt_set(args: argparse.Namespace, spec: EvalSet) -> list:
+    convs, report = read_conversations(spec.prompts)
     if report.bad:
         log.warning("%s", report.summary())
     if args.split != "all":
         train, held = split(convs, args.heldout_fraction, args.split_seed)
         convs = held if args.split == "heldout" else train
-    convs = stratified(convs, lambda c: c.category, args.limit)
+    if spec.per_length_bucket is None:
+        convs = stratified(convs, lambda c: c.category, spec.limit)
     if not convs:
-        raise SystemExit(f"no prompts to evaluate in {path}")
+        raise SystemExit(f"no prompts to evaluate in {spec.prompts}")
     return convs
+
+
+def length_bucket(tokens: int, edges=DEFAULT_LENGTH_EDGES) -> int:
+    """The index of the context-length bucket (`dspark.tau_report`'s bins) `tokens` falls in."""
+    return max(i for i, lo in enumerate(edges) if tokens >= lo)
+
+
+def per_bucket(convs: list, prompts: list[list[int]], n: int, max_tokens: int | None = None) -> tuple[list, list[list[int]]]:
+    """`n` prompts from each context-length bucket, round-robin over categories inside it, the
+    k-th bucket starting at the k-th category (one prompt per bucket still covers every
+    category); prompts over `max_tokens` left out. A long-context set judged by context length,
+    not by its first lines."""
+    cats = list(dict.fromkeys(c.category for c in convs))
+    buckets: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        if max_tokens is None or len(ids) <= max_tokens:
+            buckets.setdefault(length_bucket(len(ids)), []).append(i)
+    keep = []
+    for k, (_, members) in enumerate(sorted(buckets.items())):
+        first = {c: (j - k) % len(cats) for j, c in enumerate(cats)}  # this bucket's category order
+        keep += stratified(sorted(members, key=lambda i: first[convs[i].category]), lambda i: convs[i].category, n)
+    keep.sort()
+    return [convs[i] for i in keep], [prompts[i] for i in keep]
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -123,12 +208,14 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def evaluate_sets(args: argparse.Namespace) -> list[dict]:
-    """Every `--prompts` set, in order, with one load of the target and the drafter."""
+    """Every set (`--plan`, or one per `--prompts`), in order, with one load of the target and
+    the drafter."""
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    check_remote_code(args)
-    sets = [read_prompt_set(args, path) for path in args.prompts]  # every file read before minutes go into loading
+    drafter_record = check_remote_code(args)
+    specs = plan_sets(args)
+    sets = [read_prompt_set(args, spec) for spec in specs]  # every file read before minutes go into loading
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
     # The conversations rendered as the drafter's training data were: its checkpoint records the
     # chat format (a drafter judged on another chat template is judged on data it never saw).
@@ -138,30 +225,54 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
     if args.step_rates:
         raw = json.loads(Path(args.step_rates).read_text())
         rates = StepRateTable(raw["batch_tokens"], raw["steps_per_s"])
-    decoder = SpeculativeDecoder(
-        model, drafter, args.draft_sample_method, args.rejection_sample_method, args.temperature,
-        args.num_speculative_tokens, rates, args.seed, args.verify_width or None,
-    )
     stop = {tok.eos_token_id}
     prompts = [[render_prompt(tok, c.prompt_messages, chat) for c in convs] for convs in sets]
-    decoded = decode_sets(args, decoder, prompts, stop)
-    return [evaluate_one(args, convs, ids, decoder, stop, d) for convs, ids, d in zip(sets, prompts, decoded)]
+    for k, spec in enumerate(specs):
+        if spec.per_length_bucket:
+            sets[k], prompts[k] = per_bucket(sets[k], prompts[k], spec.per_length_bucket, spec.max_prompt_tokens)
+    decoders = make_decoders(args, specs, model, drafter, drafter_record, rates)
+    decoded = decode_sets(args, specs, decoders, prompts, stop)
+    return [evaluate_one(args, spec, convs, ids, decoder, stop, d)
+            for spec, convs, ids, decoder, d in zip(specs, sets, prompts, decoders, decoded)]
 
 
-def decode_sets(args: argparse.Namespace, decoder: SpeculativeDecoder, prompts: list[list[list[int]]],
-                stop: set[int]) -> list[tuple[list, float]]:
-    """Each set's speculative outputs and decode seconds. Greedy (with the one-pass check) decodes
-    every set in one pass: its output does not depend on what else is in the batch, and fuller
-    batches (`--batch-size` rows) make the target's forwards cheaper per token; a set's seconds
-    are its share of the pass, by generated tokens. Otherwise set by set, each from the seed (a
-    set's sampled figures do not depend on the sets before it)."""
-    together = args.temperature <= 0 and args.lossless_check == "one-pass"
-    groups = [list(range(len(prompts)))] if together else [[k] for k in range(len(prompts))]
+def make_decoders(args: argparse.Namespace, specs: list[EvalSet], model, drafter, drafter_record: dict,
+                  rates) -> list[SpeculativeDecoder]:
+    """A decoder per set; sets that decode alike share one (and may be decoded in one pass)."""
+    made: dict[tuple, SpeculativeDecoder] = {}
+    out = []
+    for spec in specs:
+        if spec.recipe:  # as vLLM serves this checkpoint: τ of the recipe that ships with it
+            served = speculative_config(drafter_record, args.target)
+            draft, rejection, k = served["draft_sample_method"], served["rejection_sample_method"], served["num_speculative_tokens"]
+        else:
+            draft, rejection, k = args.draft_sample_method, args.rejection_sample_method, args.num_speculative_tokens
+        key = (spec.temperature, draft, rejection, k)
+        if key not in made:
+            made[key] = SpeculativeDecoder(model, drafter, draft, rejection, spec.temperature, k, rates, args.seed,
+                                           args.verify_width or None)
+        out.append(made[key])
+    return out
+
+
+def decode_sets(args: argparse.Namespace, specs: list[EvalSet], decoders: list[SpeculativeDecoder],
+                prompts: list[list[list[int]]], stop: set[int]) -> list[tuple[list, float]]:
+    """Each set's speculative outputs and decode seconds. Greedy sets (with the one-pass check)
+    that share a decoder and an answer length are decoded in one pass: a greedy output does not
+    depend on what else is in the batch, and fuller batches (`--batch-size` rows) make the
+    target's forwards cheaper per token; a set's seconds are its share of the pass, by generated
+    tokens. Other sets one by one, each from the seed (a set's sampled figures do not depend on
+    the sets before it)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, spec in enumerate(specs):
+        together = spec.greedy and args.lossless_check == "one-pass"
+        groups.setdefault((id(decoders[k]), spec.max_new_tokens) if together else ("alone", k), []).append(k)
     decoded: list = [None] * len(prompts)
-    for group in groups:
+    for group in groups.values():
+        decoder, max_new = decoders[group[0]], specs[group[0]].max_new_tokens
         decoder.generator.manual_seed(args.seed)
         t0 = time.perf_counter()
-        outs = decoder.generate_many([p for k in group for p in prompts[k]], args.max_new_tokens, stop,
+        outs = decoder.generate_many([p for k in group for p in prompts[k]], max_new, stop,
                                      max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
         seconds, total = time.perf_counter() - t0, max(1, sum(len(out) for out, _ in outs))
         start = 0
@@ -172,18 +283,21 @@ def decode_sets(args: argparse.Namespace, decoder: SpeculativeDecoder, prompts: 
     return decoded
 
 
-def evaluate_one(args: argparse.Namespace, convs: list, prompts: list[list[int]], decoder: SpeculativeDecoder,
-                 stop: set[int], decoded: tuple[list, float]) -> dict:
-    """The figures of one set from its speculative outputs and their decode seconds."""
+def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: list[list[int]],
+                 decoder: SpeculativeDecoder, stop: set[int], decoded: tuple[list, float]) -> dict:
+    """The figures of one set from its speculative outputs and their decode seconds. Sampled
+    output cannot be compared token for token (the distribution is what stays the target's:
+    tests/unit/test_speculative_lossless.py); the target decodes alone only with
+    `--lossless-check decode`, for its speed."""
     model, drafter = decoder.target, decoder.drafter
-    greedy = args.temperature <= 0
-    reference = args.lossless_check == "decode" or not greedy
+    greedy = spec.greedy
+    reference = args.lossless_check == "decode"
     t_target = n_target = 0
     refs: list[list[int] | None] = [None] * len(convs)
     if reference:  # the target decodes alone: the old check, and the target's own speed
         gen = torch.Generator().manual_seed(args.seed)
         t0 = time.perf_counter()
-        refs = [target_generate(model, ids, args.max_new_tokens, stop, args.temperature, gen) for ids in prompts]
+        refs = [target_generate(model, ids, spec.max_new_tokens, stop, spec.temperature, gen) for ids in prompts]
         t_target, n_target = time.perf_counter() - t0, sum(map(len, refs))
     decoded, t_spec = decoded
     n_spec = sum(len(out) for out, _ in decoded)
@@ -200,7 +314,7 @@ def evaluate_one(args: argparse.Namespace, convs: list, prompts: list[list[int]]
         if greedy:
             same = ref == out if ref is not None else not wrong
             if not same and ref is None:
-                same = target_generate(model, ids, args.max_new_tokens, stop) == out
+                same = target_generate(model, ids, spec.max_new_tokens, stop) == out
             lossless = lossless and same
             if not same:
                 log.error("LOSSLESS VIOLATION on %s", c.id)
@@ -223,8 +337,10 @@ def evaluate_one(args: argparse.Namespace, convs: list, prompts: list[list[int]]
         "num_draft_tokens": sum(r.stats.drafted for r in rows),
         "num_accepted_tokens": sum(r.stats.accepted for r in rows),
         "settings": {
-            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-            "draft_sample_method": args.draft_sample_method, "rejection_sample_method": args.rejection_sample_method,
+            "temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
+            "draft_sample_method": decoder.draft_sample_method, "rejection_sample_method": decoder.rejection_sample_method,
+            "served_recipe": spec.recipe, "limit": spec.limit, "per_length_bucket": spec.per_length_bucket,
+            "max_prompt_tokens": spec.max_prompt_tokens,
             "num_speculative_tokens": decoder.k, "block_size": drafter.config.block_size, "mode": drafter.config.mode,
             "split": args.split, "dtype": args.dtype, "prefix_scheduler": decoder.step_rates is not None,
             "lossless_check": args.lossless_check if greedy else None, "batch_size": args.batch_size,
@@ -238,11 +354,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     results = evaluate_sets(args)
-    for path, out, result in zip(args.prompts, args.json_out, results):
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2, allow_nan=False))
-        log.info("%s: tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "
-                 "%.1f s checking", path, fmt(result["tau"]), result["num_prompts"], result["generated_tokens"],
+    for spec, result in zip(plan_sets(args), results):
+        Path(spec.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec.json).write_text(json.dumps(result, indent=2, allow_nan=False))
+        log.info("%s (T=%s): tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "
+                 "%.1f s checking", spec.prompts, spec.temperature, fmt(result["tau"]), result["num_prompts"], result["generated_tokens"],
                  result["lossless"], result["settings"]["lossless_check"], result["speculative_tokens_per_s"],
                  result["seconds"]["speculative"], result["seconds"]["lossless_check"])
         print(format_table(result))

@@ -136,14 +136,57 @@ exec vllm serve "$TARGET" --speculative-config '{spec_json}' {shell_words(target
 """
 
 
-def model_card(drafter_config: dict, training: dict, evaluation: dict) -> str:
-    """`README.md` for the exported drafter. `training`: target, prompt files, category counts,
-    epochs, samples and steps; `evaluation`: `dspark.evaluate`'s summary."""
-    spec = speculative_config(drafter_config, "THIS_DIRECTORY")
-    s = evaluation.get("settings", {})
-    rows = "\n".join(f"| {cat} | {c['num_prompts']} | {fmt(c['tau'])} | "
+def category_rows(evaluation: dict) -> str:
+    return "\n".join(f"| {cat} | {c['num_prompts']} | {fmt(c['tau'])} | "
                      f"{' '.join(f'{a:.2f}' for a in c['per_position_acceptance'])} |"
                      for cat, c in evaluation.get("per_category", {}).items())
+
+
+def sampled_section(sampled: dict | None) -> str:
+    """The model card's τ at temperature > 0, drafted and verified as `serve.sh` does."""
+    if not sampled:
+        return ""
+    s = sampled.get("settings", {})
+    return f"""
+## Acceptance at temperature {s.get('temperature')} (the served recipe)
+The first {sampled.get('num_prompts')} of the same held-out prompts, sampled at temperature {s.get('temperature')} with
+{s.get('draft_sample_method')} drafting and {s.get('rejection_sample_method')} rejection, as `serve.sh` serves it (the
+output keeps the target's distribution; it is not compared token for token). Pooled τ {fmt(sampled.get('tau'))},
+macro τ {fmt(sampled.get('macro_tau'))}.
+
+| category | prompts | τ | acceptance per position |
+|---|---|---|---|
+{category_rows(sampled)}
+"""
+
+
+def long_context_section(long_context: dict | None) -> str:
+    """The model card's τ by context length."""
+    if not long_context:
+        return ""
+    rows = "\n".join(f"| {b['min_tokens']}–{b['max_tokens'] - 1 if b['max_tokens'] else '…'} | {b['num_prompts']} | "
+                     f"{b['mean_prompt_tokens']:.0f} | {fmt(b['tau'])} |" for b in long_context.get("by_prompt_length", []))
+    s = long_context.get("settings", {})
+    return f"""
+## Acceptance by context length
+Greedy, up to {s.get('max_new_tokens')} new tokens after prompts of the long-context set ({s.get('per_length_bucket')}
+per bucket); pooled τ {fmt(long_context.get('tau'))}.
+
+| prompt tokens | prompts | mean prompt tokens | τ |
+|---|---|---|---|
+{rows}
+"""
+
+
+def model_card(drafter_config: dict, training: dict, evaluation: dict, sampled: dict | None = None,
+               long_context: dict | None = None) -> str:
+    """`README.md` for the exported drafter. `training`: target, prompt files, category counts,
+    epochs, samples and steps; `evaluation`: `dspark.evaluate`'s summary (greedy, held out);
+    `sampled`: the same at temperature > 0 with the served recipe; `long_context`: τ by context
+    length."""
+    spec = speculative_config(drafter_config, "THIS_DIRECTORY")
+    s = evaluation.get("settings", {})
+    rows = category_rows(evaluation)
     p = evaluation.get("percentiles", {})
     cats = ", ".join(f"{k} {v}" for k, v in sorted(training.get("categories", {}).items()))
     chat = drafter_config.get("dspark_cluster", {}).get("chat_format") or {}
@@ -192,7 +235,7 @@ acceptance length).{lossless}
 Macro τ over categories: {fmt(evaluation.get('macro_tau'))}; pooled τ: {fmt(evaluation.get('tau'))}.
 Per-request τ: p10 {fmt(p.get('p10'))}, p50 {fmt(p.get('p50'))}, p90 {fmt(p.get('p90'))};
 the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {fmt(p.get('top10_mean'))}.
-
+{sampled_section(sampled)}{long_context_section(long_context)}
 ## Serving
 `./serve.sh` (beside this file) runs:
 
@@ -220,11 +263,12 @@ def _serve_files(cfg: dict) -> list[tuple[str, str, int]]:
     return files
 
 
-def write_recipe(drafter_dir: str | Path, training: dict, evaluation: dict) -> None:
+def write_recipe(drafter_dir: str | Path, training: dict, evaluation: dict, sampled: dict | None = None,
+                 long_context: dict | None = None) -> None:
     """Add `README.md` and `serve.sh` to an exported drafter directory (each written atomically)."""
     d = Path(drafter_dir)
     cfg = json.loads((d / "config.json").read_text())
-    _write_atomic(d, [("README.md", model_card(cfg, training, evaluation), 0o644), *_serve_files(cfg)])
+    _write_atomic(d, [("README.md", model_card(cfg, training, evaluation, sampled, long_context), 0o644), *_serve_files(cfg)])
 
 
 def write_serve_script(drafter_dir: str | Path) -> Path:

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.control import Stop
     from cluster.job import TrainingJob
-    from dspark.tau_report import fmt, format_table
+    from dspark.tau_report import fmt, format_length_table, format_table
 
     if head is None:
         # No head to join: ray.init starts one for this job alone. Ray's one-machine switch keeps
@@ -190,6 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name} tau = {fmt(other['tau'])} over {other['num_prompts']} prompts of {cfg.data.eval_sets[name]} "
               f"(never trained on); lossless={other['lossless']}")
         print(format_table(other))
+    sampled = result.get("evaluation_sampled")
+    if sampled:
+        s = sampled["settings"]
+        print(f"\nheld-out tau at temperature {s['temperature']} = {fmt(sampled['tau'])} over {sampled['num_prompts']} prompts "
+              f"(the served recipe: {s['draft_sample_method']} drafting, {s['rejection_sample_method']} rejection)")
+        print(format_table(sampled))
+    long_context = result.get("long_context")
+    if long_context:
+        print(f"\nlong-context tau = {fmt(long_context['tau'])} over {long_context['num_prompts']} prompts of "
+              f"{cfg.data.long_context_prompts}, by context length:")
+        print(format_length_table(long_context["by_prompt_length"]))
+    for name, why in result.get("evaluation_skipped", {}).items():
+        print(f"\n{name}: not measured ({why})")
     proof = result["exactly_once"]
     epochs = result["epochs"]
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "

@@ -7,7 +7,7 @@ import json
 import logging
 
 from cluster.config import ConfigError, JobConfig
-from cluster.preflight import read_checked, read_prompt_files, repo_path
+from cluster.preflight import judged_sets, read_checked, read_prompt_files, repo_path
 
 log = logging.getLogger("dspark.job")
 
@@ -59,10 +59,11 @@ def check_eval_sets(cfg: JobConfig, train) -> None:
         return json.dumps(c.prompt_messages, sort_keys=True)
 
     trained = {key(c): c.id for c in train}
-    for name, src in cfg.data.eval_sets.items():
+    for where, src in judged_sets(cfg).items():
         path = repo_path(src)
-        convs = read_checked(path, f"data.eval_sets.{name}")
+        convs = read_checked(path, where)
         both = next((c for c in convs if key(c) in trained), None)
         if both is not None:
-            raise ConfigError(f"config error at `data.eval_sets.{name}`: prompt {both.id} of {path} is also the "
+            raise ConfigError(f"config error at `{where}`: prompt {both.id} of {path} is also the "
                               f"training prompt {trained[key(both)]}")
+

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.config import ROOT
-from cluster.data import quarantined, repo_path
+from cluster.data import quarantined
 from cluster.hardware import read_cpu
 from cluster.job.checkpointing import checkpoint
+from cluster.job.evaluation import evaluate
 from cluster.job.history import read_history
 from cluster.job.plots import plot_run
 from cluster.job.quality import assess
-from cluster.job.settings import cpu_engine_env, inference_settings
 from dspark.recipe import write_recipe
 from dspark.tau_report import UNCATEGORIZED
 
@@ -101,7 +97,11 @@ def finish(job, calibration: dict) -> dict:
         results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
         log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
     results["quarantined"] = quarantined(outcome["failed"])
-    results["evaluation"], results["evaluation_sets"] = evaluate(job, str(final))
+    measured = evaluate(job, str(final))
+    results["evaluation"], results["evaluation_sets"] = measured.heldout, measured.sets
+    # τ sampled with the served recipe, and by context length; `evaluation_skipped`: what was not measured, why
+    results["evaluation_sampled"], results["long_context"] = measured.sampled, measured.long_context
+    results["evaluation_skipped"] = measured.skipped
     results["tau"] = results["evaluation"]["tau"]
     results["plots"] = pictures(job, final, results)
     quality = assess(proof["trained"], len(job.train_prompts), results["tau"], job.ended_by, job.cfg.trainer.time_budget_s)
@@ -109,7 +109,7 @@ def finish(job, calibration: dict) -> dict:
     if not quality.worth_serving:
         log.warning("this drafter is not worth serving: %s; %s", "; ".join(quality.reasons), "; ".join(quality.advice))
     write_recipe(final, {**training_summary(job, proof["trained"], counts.epochs), "quality": results["quality"]},
-                 results["evaluation"])
+                 results["evaluation"], measured.sampled, measured.long_context)
     # Final values once more, fresh for whoever looks after the job: Ray drops series that
     # nobody has set for a while, and training ended before the evaluation.
     job.reporter.report()
@@ -136,72 +136,3 @@ def training_summary(job, trained: int, epochs: int) -> dict:
             "train_prompts": len(job.train_prompts), "heldout_prompts": len(job.heldout), "categories": dict(categories),
             "epochs": epochs, "trained_samples": trained, "steps": job.stats.step,
             "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
-
-
-def evaluate(job, drafter: str) -> tuple[dict, dict[str, dict]]:
-    """The held-out evaluation and that of every `data.eval_sets` split, each within
-    `data.eval_timeout_s`: vLLM serving the target with the drafter where the target runs
-    (GPU: the driver never loads the target), the reference decoder on CPU (one subprocess
-    for all the sets: the target and the drafter are loaded once). Per-request rows go to
-    eval.json (eval-<set>.json), figures to result.json."""
-    backend = job.cfg.data.eval_backend
-    if backend == "auto":
-        backend = "vllm" if job.cfg.device == "cuda" and job.cfg.inference.backend == "vllm" else "reference"
-    sets = {None: (job.run_dir / "heldout.jsonl", job.run_dir / "eval.json")}
-    for name, src in job.cfg.data.eval_sets.items():
-        sets[name] = (repo_path(src), job.run_dir / f"eval-{name}.json")
-    if backend == "vllm":
-        for prompts, out in sets.values():
-            out.write_text(json.dumps(evaluate_served(job, drafter, prompts), indent=2))
-    else:
-        # Every core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this subprocess
-        # would inherit (one thread made the local job's evaluation ~1.8x slower), and the
-        # producers and the trainer are done. On CPU it runs the target as a replica does,
-        # with its environment (the local job's evaluation took 65 s instead of 74 s with the
-        # preloaded libraries on a 2-core AMD EPYC).
-        env = {**os.environ, **(cpu_engine_env(job) or {})}
-        cmd = [sys.executable, "-m", "dspark.evaluate", "--target", job.target_path, "--drafter", drafter,
-               "--max-new-tokens", str(job.cfg.data.eval_max_new_tokens), "--threads", str(read_cpu().cores)]
-        for prompts, out in sets.values():
-            cmd += ["--prompts", str(prompts), "--json", str(out)]
-        if job.cfg.data.eval_limit:
-            cmd += ["--limit", str(job.cfg.data.eval_limit)]
-        if job.cfg.target.trust_remote_code:  # the config's consent; the drafter's config.json gives none
-            cmd.append("--trust-remote-code")
-        subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=job.cfg.data.eval_timeout_s * len(sets))
-    results = {}
-    for name, (_, out) in sets.items():
-        results[name] = json.loads(out.read_text())
-        results[name].pop("requests", None)
-    heldout = results.pop(None)
-    return heldout, results
-
-
-def evaluate_served(job, drafter: str, prompts_file: Path) -> dict:
-    """vLLM with the drafter, in the first inference placement group (its replica has stopped).
-    On CPU vLLM runs only the backbone (`dflash`), exported beside the drafter."""
-    from cluster.inference import engine_actor_options
-    from cluster.inference import ServedEvalSettings, ServedEvaluator
-    from dspark.prompts import read_conversations
-    from dspark.tau_report import stratified
-
-    method = "dspark" if job.cfg.device == "cuda" else "dflash"
-    if method == "dflash":
-        from dspark.checkpoint import export_dflash_backbone, load_drafter
-
-        drafter = str(export_dflash_backbone(load_drafter(drafter, job.target_path), job.run_dir / "final-dflash"))
-    held = stratified(read_conversations(prompts_file)[0], lambda c: c.category, job.cfg.data.eval_limit)
-    prompts = [c.prompt_record() for c in held]
-    settings = ServedEvalSettings(inference_settings(job, "eval"), drafter, method, job.cfg.data.eval_max_new_tokens)
-    placed = next(p for p in job.placed if p.spec.role == "inference")
-    actor = job.ray.remote(ServedEvaluator).options(
-        name=f"{job.cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.target.tensor_parallel_size,
-                                                                   cpu_engine_env(job)),
-    ).remote(settings)
-    try:
-        return job.ray.get(actor.evaluate.remote(prompts), timeout=job.cfg.data.eval_timeout_s)
-    except job.ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"the served evaluation ({method}, {len(prompts)} prompts) did not finish within "
-                           f"data.eval_timeout_s={job.cfg.data.eval_timeout_s}") from None
-    finally:
-        job.ray.kill(actor)

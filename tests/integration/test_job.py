@@ -52,7 +52,13 @@ def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:
 def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     from cluster.job import TrainingJob
 
-    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL])
+    long = tmp_path / "long.jsonl"  # a long-context set: one prompt under 512 tokens, one past it
+    filler = " ".join(f"line {i}: nothing happened." for i in range(100))
+    long.write_text(json.dumps({"id": "lc0", "prompt": "Summarise: the cat sat.", "category": "doc"}) + "\n"
+                    + json.dumps({"id": "lc1", "prompt": filler + " Summarise the log above.", "category": "doc"}) + "\n")
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL,
+                                                         "data.eval_temperature=0.7", "data.eval_sampled_limit=2",
+                                                         f"data.long_context_prompts={long}", "data.long_context_max_new_tokens=8"])
     result = TrainingJob(cfg).run()
     # The job's series, first: Ray drops a gauge ~25 s after it was last set (measured on Ray
     # 2.60), and the job set them last as it ended.
@@ -89,6 +95,20 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
         mine = [r for r in evaluated if r["category"] == cat]
         steps = sum(r["steps"] for r in mine)
         assert c["tau"] == pytest.approx((steps + sum(r["accepted"] for r in mine)) / steps)
+    # Sampled with the served recipe: the first 2 of the evaluated prompts at temperature 0.7.
+    sampled = result["evaluation_sampled"]
+    assert sampled["settings"]["temperature"] == 0.7 and sampled["lossless"] is None
+    assert (sampled["settings"]["draft_sample_method"], sampled["settings"]["rejection_sample_method"]) == ("probabilistic", "block")
+    sampled_rows = json.loads((run / "eval-sampled.json").read_text())["requests"]
+    assert [r["id"] for r in sampled_rows] == [r["id"] for r in evaluated[:2]]
+    steps = sum(r["steps"] for r in sampled_rows)
+    assert sampled["tau"] == pytest.approx((steps + sum(r["accepted"] for r in sampled_rows)) / steps)
+    # The long-context set, by context length: a bucket per prompt, pooled from its rows.
+    lc_rows = json.loads((run / "eval-long_context.json").read_text())["requests"]
+    assert [r["id"] for r in lc_rows] == ["lc0", "lc1"] and lc_rows[0]["prompt_tokens"] < 512 <= lc_rows[1]["prompt_tokens"]
+    assert [(b["min_tokens"], b["num_prompts"], b["tau"]) for b in result["long_context"]["by_prompt_length"]] == [
+        (0, 1, pytest.approx((lc_rows[0]["steps"] + lc_rows[0]["accepted"]) / lc_rows[0]["steps"])),
+        (512, 1, pytest.approx((lc_rows[1]["steps"] + lc_rows[1]["accepted"]) / lc_rows[1]["steps"]))]
     # The confidence head, calibrated on 6 held-out prompts nobody trained on or evaluated, its
     # calibration error measured before and after on the 3 evaluated ones.
     calibration = result["calibration"]
@@ -111,6 +131,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     # The serving recipe and model card ship with the drafter.
     card = (Path(result["drafter"]) / "README.md").read_text()
     assert "| category |" in card and f"{ev['macro_tau']:.3f}" in card
+    assert "## Acceptance at temperature 0.7" in card and "## Acceptance by context length" in card
     assert (Path(result["drafter"]) / "serve.sh").stat().st_mode & 0o111
     ckpts = sorted((run / "checkpoints").glob("step-*"))
     assert ckpts and all((c / "drafter" / "config.json").exists() and (c / "ledger.json").exists() for c in ckpts)

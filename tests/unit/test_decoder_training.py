@@ -152,8 +152,9 @@ def test_one_pass_lossless_check_finds_a_wrong_token(tiny_target, target):
     short = target_generate(model, other, 12, {tok.eos_token_id})
     wrong = list(out)
     wrong[3] = (wrong[3] + 1) % 49152
-    for rows in (2, 8):
-        got = greedy_mismatches_many(model, [ids, other, ids, other], [out, short, wrong, []], max_rows=rows)
+    for rows, budget in ((2, 8192), (8, 8192), (8, 1)):  # (8, 1): a forward per row, the token budget binding
+        got = greedy_mismatches_many(model, [ids, other, ids, other], [out, short, wrong, []], max_rows=rows,
+                                     max_batch_tokens=budget)
         assert got[0] == [] and got[1] == [] and got[2][0] == 3 and got[3] == []
 
 
@@ -221,3 +222,74 @@ def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
         assert g["requests"] == w["requests"] and g["tau"] == w["tau"] and g["num_prompts"] == w["num_prompts"]
     with pytest.raises(SystemExit):  # an output per set
         evaluate.parse_args(["--target", "t", "--drafter", "d", "--prompts", "a", "--prompts", "b", "--json", "o"])
+
+
+def test_evaluate_plan_judges_each_set_its_own_way(tiny_target, trained, tmp_path):
+    """`--plan` (what the job runs): a greedy set is judged as the plain flags judge it; a sampled
+    set drafts and verifies as the checkpoint's served recipe says; a long-context set takes
+    `per_length_bucket` prompts of each context-length bucket, first in file order."""
+    from dspark.recipe import speculative_config
+
+    final = trained / "final"
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"id": f"s{i}", "prompt": f"Tell me about item number {i}.", "category": c}) + "\n"
+                             for i, c in enumerate(["a", "b", "a", "b"])))
+    long = tmp_path / "long.jsonl"  # two prompts under 512 tokens, two between 512 and 1535 (the tiny target's limit: 1024)
+    filler = " ".join(f"item {i}" for i in range(170))  # ~600 tokens
+    long.write_text("".join(json.dumps({"id": i, "prompt": p, "category": c}) + "\n" for i, p, c in [
+        ("l0", "Why does item 9 matter?", "x"), ("l1", "And item 10?", "y"),
+        ("l2", filler + " Which item comes last?", "x"), ("l3", filler + " Which item comes first?", "y")]))
+    out = {k: str(tmp_path / f"{k}.json") for k in ("greedy", "sampled", "long", "alone")}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([
+        {"prompts": str(short), "json": out["greedy"], "limit": 2, "max_new_tokens": 16},
+        {"prompts": str(short), "json": out["sampled"], "limit": 2, "max_new_tokens": 16, "temperature": 0.7, "recipe": True},
+        {"prompts": str(long), "json": out["long"], "max_new_tokens": 8, "per_length_bucket": 1}]))
+    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--plan", str(plan)]) == 0
+    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--prompts", str(short), "--json",
+                          out["alone"], "--limit", "2", "--max-new-tokens", "16"]) == 0
+    greedy, sampled, lc, alone = (json.loads(open(out[k]).read()) for k in ("greedy", "sampled", "long", "alone"))
+    assert greedy["requests"] == alone["requests"] and greedy["lossless"] is True
+    assert [r["id"] for r in greedy["requests"]] == ["s0", "s1"]  # round-robin over categories
+
+    served = speculative_config(json.loads((final / "config.json").read_text()), "target")
+    s = sampled["settings"]
+    assert (s["draft_sample_method"], s["rejection_sample_method"], s["num_speculative_tokens"]) == \
+        (served["draft_sample_method"], served["rejection_sample_method"], served["num_speculative_tokens"])
+    assert s["temperature"] == 0.7 and s["served_recipe"] and sampled["lossless"] is None
+    assert [r["id"] for r in sampled["requests"]] == ["s0", "s1"] and sampled["tau"] is not None
+
+    assert [r["id"] for r in lc["requests"]] == ["l0", "l3"]  # the second bucket starts at the second category
+    bins = [(b["min_tokens"], b["num_prompts"]) for b in lc["by_prompt_length"]]
+    assert bins == [(0, 1), (512, 1)], bins
+    assert lc["requests"][1]["prompt_tokens"] >= 512 > lc["requests"][0]["prompt_tokens"]
+
+
+def test_per_bucket_takes_each_context_bucket_and_every_category():
+    from types import SimpleNamespace
+
+    cats = ["code", "doc", "code", "doc", "code", "doc", "code"]
+    lengths = [100, 200, 700, 900, 2000, 2500, 6000]  # buckets 0, 0, 1, 1, 2, 2, 4
+    convs = [SimpleNamespace(id=f"c{i}", category=c) for i, c in enumerate(cats)]
+    prompts = [[0] * n for n in lengths]
+
+    def ids(*args):
+        return [c.id for c in evaluate.per_bucket(convs, prompts, *args)[0]]
+
+    assert ids(1) == ["c0", "c3", "c4", "c6"]  # bucket k starts at category k mod 2
+    assert ids(2) == ["c0", "c1", "c2", "c3", "c4", "c5", "c6"]
+    assert ids(1, 3072) == ["c0", "c3", "c4"]  # the 6,000-token prompt left out
+    assert [evaluate.length_bucket(n) for n in (0, 511, 512, 1535, 1536, 5119, 5120)] == [0, 0, 1, 1, 2, 3, 4]
+
+
+def test_plan_files_are_checked(tmp_path):
+    plan = tmp_path / "plan.json"
+    for bad, match in [([], "a JSON list of sets"), ([{"prompts": "p"}], "mapping with prompts and json"),
+                       ([{"prompts": "p", "json": "o", "temprature": 1}], "mapping with prompts and json"),
+                       ([{"prompts": "p", "json": "o", "per_length_bucket": 0}], "per_length_bucket"),
+                       ([{"prompts": "p", "json": "o", "max_prompt_tokens": 10}], "goes with per_length_bucket")]:
+        plan.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=match):
+            evaluate.plan_sets(evaluate.parse_args(["--target", "t", "--drafter", "d", "--plan", str(plan)]))
+    with pytest.raises(SystemExit):  # a plan or flags, not both
+        evaluate.parse_args(["--target", "t", "--drafter", "d", "--plan", str(plan), "--prompts", "a", "--json", "o"])
