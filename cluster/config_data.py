@@ -32,6 +32,11 @@ class DataConfig:
     # probabilistic drafting, block rejection). 0: greedy only.
     eval_temperature: float = ranged(0.7, Range(0, 2))
     eval_sampled_limit: int | None = ranged(None, AT_LEAST_1)
+    # Seconds the sampled set (one prompt at a time) and the long-context set may spend decoding:
+    # prompts whose expected cost no longer fits are left out and listed (None: no limit); a
+    # slower machine judges fewer prompts instead of running longer.
+    eval_sampled_budget_s: float | None = ranged(None, TIMEOUT)
+    long_context_budget_s: float | None = ranged(None, TIMEOUT)
     # A long-context set judged by context length (dspark.tau_report's buckets from 0, 512, 1536,
     # 3072, 5120 prompt tokens): long_context_per_bucket prompts of each, none longer than
     # long_context_max_tokens (None: any), answers of long_context_max_new_tokens. None: no such set.

@@ -67,6 +67,9 @@ class EvalSet:
     recipe: bool = False
     per_length_bucket: int | None = None
     max_prompt_tokens: int | None = None  # with per_length_bucket: longer prompts left out
+    # Seconds of decoding the set may take: its prompts run one at a time, in order, while the
+    # next one's expected cost fits (the first always runs); the rest are left out and counted.
+    budget_s: float | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, where: str) -> "EvalSet":
@@ -77,6 +80,8 @@ class EvalSet:
         if out.temperature < 0 or out.max_new_tokens < 1 or (out.limit is not None and out.limit < 1) \
                 or (out.per_length_bucket is not None and out.per_length_bucket < 1):
             raise SystemExit(f"{where}: a negative temperature, or a limit, per_length_bucket or max_new_tokens below 1: {raw!r}")
+        if out.budget_s is not None and not out.budget_s > 0:
+            raise SystemExit(f"{where}: budget_s must be > 0: {raw!r}")
         if out.max_prompt_tokens is not None and (out.per_length_bucket is None or out.max_prompt_tokens < 1):
             raise SystemExit(f"{where}: max_prompt_tokens goes with per_length_bucket, and is at least 1: {raw!r}")
         return out
@@ -187,8 +192,8 @@ def length_bucket(tokens: int, edges=DEFAULT_LENGTH_EDGES) -> int:
 def per_bucket(convs: list, prompts: list[list[int]], n: int, max_tokens: int | None = None) -> tuple[list, list[list[int]]]:
     """`n` prompts from each context-length bucket, round-robin over categories inside it, the
     k-th bucket starting at the k-th category (one prompt per bucket still covers every
-    category); prompts over `max_tokens` left out. A long-context set judged by context length,
-    not by its first lines."""
+    category); prompts over `max_tokens` left out; shortest first. A long-context set judged by
+    context length, not by its first lines."""
     cats = list(dict.fromkeys(c.category for c in convs))
     buckets: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
@@ -198,7 +203,7 @@ def per_bucket(convs: list, prompts: list[list[int]], n: int, max_tokens: int | 
     for k, (_, members) in enumerate(sorted(buckets.items())):
         first = {c: (j - k) % len(cats) for j, c in enumerate(cats)}  # this bucket's category order
         keep += stratified(sorted(members, key=lambda i: first[convs[i].category]), lambda i: convs[i].category, n)
-    keep.sort()
+    keep.sort(key=lambda i: (len(prompts[i]), i))  # shortest first: what a budget_s cuts is the longest
     return [convs[i] for i in keep], [prompts[i] for i in keep]
 
 
@@ -232,8 +237,13 @@ def evaluate_sets(args: argparse.Namespace) -> list[dict]:
             sets[k], prompts[k] = per_bucket(sets[k], prompts[k], spec.per_length_bucket, spec.max_prompt_tokens)
     decoders = make_decoders(args, specs, model, drafter, drafter_record, rates)
     decoded = decode_sets(args, specs, decoders, prompts, stop)
-    return [evaluate_one(args, spec, convs, ids, decoder, stop, d)
-            for spec, convs, ids, decoder, d in zip(specs, sets, prompts, decoders, decoded)]
+    results = []
+    for spec, convs, ids, decoder, (outs, seconds) in zip(specs, sets, prompts, decoders, decoded):
+        n = len(outs)  # fewer than the set's prompts where its budget_s ran out
+        result = evaluate_one(args, spec, convs[:n], ids[:n], decoder, stop, (outs, seconds))
+        result["left_out_for_time"] = [c.id for c in convs[n:]]
+        results.append(result)
+    return results
 
 
 def make_decoders(args: argparse.Namespace, specs: list[EvalSet], model, drafter, drafter_record: dict,
@@ -265,12 +275,15 @@ def decode_sets(args: argparse.Namespace, specs: list[EvalSet], decoders: list[S
     the sets before it)."""
     groups: dict[tuple, list[int]] = {}
     for k, spec in enumerate(specs):
-        together = spec.greedy and args.lossless_check == "one-pass"
+        together = spec.greedy and args.lossless_check == "one-pass" and spec.budget_s is None
         groups.setdefault((id(decoders[k]), spec.max_new_tokens) if together else ("alone", k), []).append(k)
     decoded: list = [None] * len(prompts)
     for group in groups.values():
         decoder, max_new = decoders[group[0]], specs[group[0]].max_new_tokens
         decoder.generator.manual_seed(args.seed)
+        if specs[group[0]].budget_s is not None:
+            decoded[group[0]] = decode_within(decoder, prompts[group[0]], max_new, stop, specs[group[0]].budget_s)
+            continue
         t0 = time.perf_counter()
         outs = decoder.generate_many([p for k in group for p in prompts[k]], max_new, stop,
                                      max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
@@ -281,6 +294,24 @@ def decode_sets(args: argparse.Namespace, specs: list[EvalSet], decoders: list[S
             start += len(prompts[k])
             decoded[k] = mine, seconds if len(group) == 1 else seconds * sum(len(out) for out, _ in mine) / total
     return decoded
+
+
+def decode_within(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
+                  budget_s: float) -> tuple[list, float]:
+    """The prompts one at a time, in order, while the next one's expected cost — the seconds per
+    token so far times its prompt and answer tokens (a long prompt's prefill is most of its
+    cost) — still fits in `budget_s`; the first always runs. The outputs of those decoded, and
+    the seconds: on a slower machine fewer prompts, not a longer job."""
+    outs, spent, units = [], 0.0, 0
+    for ids in prompts:
+        cost = len(ids) + max_new_tokens
+        if outs and spent + spent / units * cost > budget_s:
+            break
+        t0 = time.perf_counter()
+        outs += decoder.generate_many([ids], max_new_tokens, stop)
+        spent += time.perf_counter() - t0
+        units += cost
+    return outs, spent
 
 
 def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: list[list[int]],
@@ -340,7 +371,7 @@ def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: 
             "temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
             "draft_sample_method": decoder.draft_sample_method, "rejection_sample_method": decoder.rejection_sample_method,
             "served_recipe": spec.recipe, "limit": spec.limit, "per_length_bucket": spec.per_length_bucket,
-            "max_prompt_tokens": spec.max_prompt_tokens,
+            "max_prompt_tokens": spec.max_prompt_tokens, "budget_s": spec.budget_s,
             "num_speculative_tokens": decoder.k, "block_size": drafter.config.block_size, "mode": drafter.config.mode,
             "split": args.split, "dtype": args.dtype, "prefix_scheduler": decoder.step_rates is not None,
             "lossless_check": args.lossless_check if greedy else None, "batch_size": args.batch_size,

@@ -66,6 +66,12 @@ def warn_short_stop_wait() -> None:
             wait, 2 * MIN_STOP_WAIT_S)
 
 
+def left_out(evaluation: dict, budget_key: str) -> str:
+    """What an evaluation set's time budget left out, for the job's last lines."""
+    left = evaluation.get("left_out_for_time") or []
+    return f" ({len(left)} more left out by {budget_key}: {', '.join(left[:4])})" if left else ""
+
+
 def plan(cfg, simulate: str | None) -> int:
     import ray
 
@@ -194,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     if sampled:
         s = sampled["settings"]
         print(f"\nheld-out tau at temperature {s['temperature']} = {fmt(sampled['tau'])} over {sampled['num_prompts']} prompts "
-              f"(the served recipe: {s['draft_sample_method']} drafting, {s['rejection_sample_method']} rejection)")
+              f"(the served recipe: {s['draft_sample_method']} drafting, {s['rejection_sample_method']} rejection)"
+              + left_out(sampled, "data.eval_sampled_budget_s"))
         print(format_table(sampled))
     long_context = result.get("long_context")
     if long_context:
         print(f"\nlong-context tau = {fmt(long_context['tau'])} over {long_context['num_prompts']} prompts of "
-              f"{cfg.data.long_context_prompts}, by context length:")
+              f"{cfg.data.long_context_prompts}{left_out(long_context, 'data.long_context_budget_s')}, by context length:")
         print(format_length_table(long_context["by_prompt_length"]))
     for name, why in result.get("evaluation_skipped", {}).items():
         print(f"\n{name}: not measured ({why})")

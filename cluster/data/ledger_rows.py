@@ -44,6 +44,11 @@ class LeasedSample:
     ref: SampleRef
     group: str | None  # the group that generated it (its bytes are on that group's nodes)
 
+    @property
+    def prompt_id(self) -> str:
+        """The prompt this sample answers (its uid is `<prompt id>@<epoch>`)."""
+        return self.uid.rsplit("@", 1)[0]
+
     @classmethod
     def from_row(cls, row: dict) -> "LeasedSample":
         return cls(row["uid"], SampleRef.from_dict(row["ref"]), row["group"])

@@ -33,12 +33,12 @@ def calibrate_head(job) -> dict:
         log.warning("calibration: %d reserved samples not generated within data.calibration_wait_s=%gs; "
                     "calibrating on those there are", job.ledger.reserved_waiting(), job.cfg.data.calibration_wait_s)
     rows = job.ledger.reserved_rows()
-    fit = [r for r in rows if r.uid.rsplit("@", 1)[0] in wanted]
-    measure = [r for r in rows if r.uid.rsplit("@", 1)[0] not in wanted]
+    fit = [r for r in rows if r.prompt_id in wanted]
+    measure = [r for r in rows if r.prompt_id not in wanted]
     if not fit:
         return {"skipped": f"none of the {len(wanted)} calibration prompts was generated "
                            f"(data.calibration_wait_s={job.cfg.data.calibration_wait_s:g})"}
     report = job.gang.calibrate(fit, measure)
     job.gang.remove_keys([r.ref.key for r in rows])
     return {**report, "calibration_prompts": len(fit), "measured_on_prompts": len(measure),
-            "waited_s": round(time.monotonic() - waited, 1), "prompt_ids": sorted(r.uid.rsplit("@", 1)[0] for r in fit)}
+            "waited_s": round(time.monotonic() - waited, 1), "prompt_ids": sorted(r.prompt_id for r in fit)}

@@ -46,13 +46,13 @@ def evaluation_plan(job, drafter: str) -> dict[str, dict]:
         limits = [x for x in (data.eval_sampled_limit, data.eval_limit) if x]
         limit = min(limits) if limits else None
         plan["sampled"] = {**plan["heldout"], "json": str(job.run_dir / "eval-sampled.json"), "temperature": data.eval_temperature,
-                           "limit": limit, "recipe": True}
+                           "limit": limit, "recipe": True, "budget_s": data.eval_sampled_budget_s}
     if data.long_context_prompts:
         plan["long_context"] = {"prompts": str(repo_path(data.long_context_prompts)),
                                 "json": str(job.run_dir / "eval-long_context.json"), "temperature": 0.0, "limit": None,
                                 "max_new_tokens": data.long_context_max_new_tokens,
                                 "per_length_bucket": data.long_context_per_bucket,
-                                "max_prompt_tokens": data.long_context_max_tokens}
+                                "max_prompt_tokens": data.long_context_max_tokens, "budget_s": data.long_context_budget_s}
     return plan
 
 

@@ -243,7 +243,8 @@ def test_evaluate_plan_judges_each_set_its_own_way(tiny_target, trained, tmp_pat
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps([
         {"prompts": str(short), "json": out["greedy"], "limit": 2, "max_new_tokens": 16},
-        {"prompts": str(short), "json": out["sampled"], "limit": 2, "max_new_tokens": 16, "temperature": 0.7, "recipe": True},
+        {"prompts": str(short), "json": out["sampled"], "limit": 3, "max_new_tokens": 16, "temperature": 0.7, "recipe": True,
+         "budget_s": 1e-6},  # the first prompt always runs, then nothing fits
         {"prompts": str(long), "json": out["long"], "max_new_tokens": 8, "per_length_bucket": 1}]))
     assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--plan", str(plan)]) == 0
     assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--prompts", str(short), "--json",
@@ -257,7 +258,8 @@ def test_evaluate_plan_judges_each_set_its_own_way(tiny_target, trained, tmp_pat
     assert (s["draft_sample_method"], s["rejection_sample_method"], s["num_speculative_tokens"]) == \
         (served["draft_sample_method"], served["rejection_sample_method"], served["num_speculative_tokens"])
     assert s["temperature"] == 0.7 and s["served_recipe"] and sampled["lossless"] is None
-    assert [r["id"] for r in sampled["requests"]] == ["s0", "s1"] and sampled["tau"] is not None
+    assert [r["id"] for r in sampled["requests"]] == ["s0"] and sampled["tau"] is not None
+    assert sampled["left_out_for_time"] == ["s1", "s2"] and greedy["left_out_for_time"] == []
 
     assert [r["id"] for r in lc["requests"]] == ["l0", "l3"]  # the second bucket starts at the second category
     bins = [(b["min_tokens"], b["num_prompts"]) for b in lc["by_prompt_length"]]
@@ -282,12 +284,33 @@ def test_per_bucket_takes_each_context_bucket_and_every_category():
     assert [evaluate.length_bucket(n) for n in (0, 511, 512, 1535, 1536, 5119, 5120)] == [0, 0, 1, 1, 2, 3, 4]
 
 
+def test_a_budget_leaves_out_the_prompts_that_would_not_fit(monkeypatch):
+    """`decode_within`: prompts in order while the next one's expected cost (seconds per token so
+    far × its tokens) fits; a fake decoder spends 10 ms per prompt token on a fake clock."""
+    clock = [0.0]
+    monkeypatch.setattr(evaluate.time, "perf_counter", lambda: clock[0])
+
+    class Decoder:
+        def generate_many(self, prompts, max_new_tokens, stop):
+            clock[0] += 0.01 * (len(prompts[0]) + max_new_tokens)
+            return [([7] * max_new_tokens, None)]
+
+    prompts = [[0] * n for n in (100, 200, 400, 800)]
+    outs, spent = evaluate.decode_within(Decoder(), prompts, 0, set(), 5.0)
+    assert len(outs) == 2 and spent == pytest.approx(3.0)  # the third: 3 s + 4 s expected > 5 s
+    outs, spent = evaluate.decode_within(Decoder(), prompts, 0, set(), 1e-9)
+    assert len(outs) == 1  # the first always runs
+    outs, _ = evaluate.decode_within(Decoder(), prompts, 0, set(), 100.0)
+    assert len(outs) == 4
+
+
 def test_plan_files_are_checked(tmp_path):
     plan = tmp_path / "plan.json"
     for bad, match in [([], "a JSON list of sets"), ([{"prompts": "p"}], "mapping with prompts and json"),
                        ([{"prompts": "p", "json": "o", "temprature": 1}], "mapping with prompts and json"),
                        ([{"prompts": "p", "json": "o", "per_length_bucket": 0}], "per_length_bucket"),
-                       ([{"prompts": "p", "json": "o", "max_prompt_tokens": 10}], "goes with per_length_bucket")]:
+                       ([{"prompts": "p", "json": "o", "max_prompt_tokens": 10}], "goes with per_length_bucket"),
+                       ([{"prompts": "p", "json": "o", "budget_s": 0}], "budget_s must be > 0")]:
         plan.write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=match):
             evaluate.plan_sets(evaluate.parse_args(["--target", "t", "--drafter", "d", "--plan", str(plan)]))

@@ -299,21 +299,27 @@ def test_a_reused_sample_lost_after_its_predecessor_was_leased_is_regenerated():
     assert ledger.to_generate() == 1 and [p["uid"] for p in ledger.request_prompts("r0", 5)] == ["p0@1"]
 
 
+def generate_with_poison(ledger, poison: str, deaths: int) -> tuple[list[dict], int]:
+    """One request of replica r<deaths>: it dies if `poison` is in its batch (the prompts go
+    back), else it stores them all. Returns what it was handed and the deaths so far."""
+    handed = ledger.request_prompts(f"r{deaths}", 4)
+    if any(p["id"] == poison for p in handed):
+        ledger.replica_died(f"r{deaths}", "segfault")
+        return handed, deaths + 1
+    ledger.report_produced(f"r{deaths}", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
+                                          for p in handed])
+    return handed, deaths
+
+
 def test_a_poison_prompt_fails_alone():
     # p1 kills every replica that generates it; its batch-mates are retried one at a time and
     # go through, p1 ends FAILED after max_attempts deaths, with each death named.
     ledger = SampleLedger(prompts(4), max_attempts=3)
     deaths = 0
     for _ in range(20):
-        handed = ledger.request_prompts(f"r{deaths}", 4)
+        handed, deaths = generate_with_poison(ledger, "p1", deaths)
         if not handed:
             break
-        if any(p["id"] == "p1" for p in handed):
-            ledger.replica_died(f"r{deaths}", "segfault")
-            deaths += 1
-            continue
-        ledger.report_produced(f"r{deaths}", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
-                                              for p in handed])
     assert deaths == 3 and ledger.entries["p1@0"].state == FAILED
     assert ledger.entries["p1@0"].errors == [f"replica r{i} died while generating it: segfault" for i in range(3)]
     assert all(ledger.entries[f"p{i}@0"].state == STORED for i in (0, 2, 3))
@@ -326,13 +332,10 @@ def test_a_poison_prompt_is_quarantined_in_every_epoch(reuse):
     ledger = SampleLedger(prompts(4), epochs=3, max_attempts=3, reuse_across_epochs=reuse)
     deaths, step = 0, 0
     while not ledger.drained() and step < 50:
-        handed = ledger.request_prompts(f"r{deaths}", 4)
-        if any(p["id"] == "p1" for p in handed):
-            ledger.replica_died(f"r{deaths}", "segfault")
-            deaths += 1
+        before = deaths
+        _, deaths = generate_with_poison(ledger, "p1", deaths)
+        if deaths > before:
             continue
-        ledger.report_produced(f"r{deaths}", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
-                                              for p in handed])
         step += 1
         if ledger.lease_step(step, ["g0"], 100) is not None:
             ledger.commit(step)
