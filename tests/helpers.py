@@ -24,7 +24,10 @@ PERSONA_TEMPLATE = (
 # calibration split (generated after epoch 0 and awaited at the end: tests/integration/test_job.py
 # checks it).
 NO_CALIBRATION = "data.calibration_prompts=0"
-REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION]
+# The end evaluation's sampled and long-context sets (tests/integration/test_job.py judges them):
+# the long prompts alone cost a job test ~25 s on 2 cores.
+QUICK_EVAL = ["data.long_context_prompts=null", "data.eval_temperature=0"]
+REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION, *QUICK_EVAL]
 
 
 def eager_target(path, **fields) -> TargetConfig:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cluster.config import load_config
-from tests.helpers import NO_CALIBRATION
+from tests.helpers import NO_CALIBRATION, QUICK_EVAL
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_ta
         "inference.prompt_batch=4", "data.max_prompts=40", "data.epochs=1",
         "drafter.draft_vocab_size=null", "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=300",
         "trainer.checkpoint_interval=4", "trainer.release_samples=after_step", "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled",
-        "logging.progress_interval_s=3", NO_CALIBRATION])
+        "logging.progress_interval_s=3", NO_CALIBRATION, *QUICK_EVAL])
     result = TrainingJob(cfg).run()
     proof = result["exactly_once"]
     assert proof["per_epoch"] == {"0": 40} and proof["failed"] == [] and result["world"] == {"g0": 1, "g1": 1}

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from tests.helpers import NO_CALIBRATION
+from tests.helpers import NO_CALIBRATION, QUICK_EVAL
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -231,7 +231,7 @@ def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_
         "topology.groups.0.trainer_ranks_per_node=2", "trainer.batch_tokens=256", "trainer.checkpoint_interval=2",
         "drafter.draft_vocab_size=null", "drafter.num_anchors=4", "drafter.markov_rank=16", "transport.segment_mb=256",
         "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=5",
-        NO_CALIBRATION])
+        NO_CALIBRATION, *QUICK_EVAL])
     outcome: dict = {}
 
     def run() -> None:
