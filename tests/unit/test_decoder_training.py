@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark import evaluate, train_offline
+from dspark import eval_sets, evaluate, train_offline
 from dspark.checkpoint import load_drafter
 from dspark.decoder import SpeculativeDecoder, greedy_mismatches, greedy_mismatches_many, target_generate
 from dspark.model import ContextCache
@@ -276,12 +276,12 @@ def test_per_bucket_takes_each_context_bucket_and_every_category():
     prompts = [[0] * n for n in lengths]
 
     def ids(*args):
-        return [c.id for c in evaluate.per_bucket(convs, prompts, *args)[0]]
+        return [c.id for c in eval_sets.per_bucket(convs, prompts, *args)[0]]
 
     assert ids(1) == ["c0", "c3", "c4", "c6"]  # bucket k starts at category k mod 2
     assert ids(2) == ["c0", "c1", "c2", "c3", "c4", "c5", "c6"]
     assert ids(1, 3072) == ["c0", "c3", "c4"]  # the 6,000-token prompt left out
-    assert [evaluate.length_bucket(n) for n in (0, 511, 512, 1535, 1536, 5119, 5120)] == [0, 0, 1, 1, 2, 3, 4]
+    assert [eval_sets.length_bucket(n) for n in (0, 511, 512, 1535, 1536, 5119, 5120)] == [0, 0, 1, 1, 2, 3, 4]
 
 
 def test_a_budget_leaves_out_the_prompts_that_would_not_fit(monkeypatch):
