@@ -149,14 +149,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     return evaluate_sets(args)[0]
 
 
-def evaluate_sets(args: argparse.Namespace) -> list[dict]:
+def evaluate_sets(args: argparse.Namespace, specs: list[EvalSet] | None = None) -> list[dict]:
     """Every set (`--plan`, or one per `--prompts`), in order, with one load of the target and
     the drafter."""
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     drafter_record = check_remote_code(args)
-    specs = plan_sets(args)
+    specs = specs or plan_sets(args)
     sets = [read_prompt_set(args, spec) for spec in specs]  # every file read before minutes go into loading
     drafter = load_drafter(args.drafter, args.target, dtype=dtype).eval()
     # The conversations rendered as the drafter's training data were: its checkpoint records the
@@ -321,8 +321,9 @@ def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
-    results = evaluate_sets(args)
-    for spec, result in zip(plan_sets(args), results):
+    specs = plan_sets(args)
+    results = evaluate_sets(args, specs)
+    for spec, result in zip(specs, results):
         Path(spec.json).parent.mkdir(parents=True, exist_ok=True)
         Path(spec.json).write_text(json.dumps(result, indent=2, allow_nan=False))
         log.info("%s (T=%s): tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "

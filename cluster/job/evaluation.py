@@ -34,7 +34,7 @@ class Evaluation:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def evaluation_plan(job, drafter: str) -> dict[str, dict]:
+def evaluation_plan(job) -> dict[str, dict]:
     """The sets `dspark.evaluate --plan` judges (its `EvalSet` fields), by their name here."""
     data = job.cfg.data
     greedy = {"temperature": 0.0, "limit": data.eval_limit, "max_new_tokens": data.eval_max_new_tokens}
@@ -65,7 +65,7 @@ def evaluate(job, drafter: str) -> Evaluation:
     backend = job.cfg.data.eval_backend
     if backend == "auto":
         backend = "vllm" if job.cfg.device == "cuda" and job.cfg.inference.backend == "vllm" else "reference"
-    plan = evaluation_plan(job, drafter)
+    plan = evaluation_plan(job)
     skipped = {}
     if backend == "vllm":
         for name in [n for n in ("sampled", "long_context") if n in plan and not (n == "sampled" and job.cfg.device == "cuda")]:
