@@ -9,8 +9,9 @@ window of the last `window` steps (the pace changes: a sample's first epoch cost
 later ones, whose target normalisers are cached; a resized world steps at another rate):
 
     waiting ──(generation done)──► measuring ──(`window` steps)──► projecting, at every step:
-        keep = the most epochs whose untrained samples, at the window's samples/s, are trained
-        by the deadline (the begun ones always, and at least one)
+        keep = the most epochs whose untrained samples, at the window's samples/s (plus the
+        last, partial step and two standard deviations of the steps' sum), are trained by the
+        deadline (the begun ones always, and at least one)
 
 Two decisions follow. The LR horizon is the step the kept epochs end at, so the cosine reaches
 its floor at the last step instead of being cut off halfway down; it moves to another number of
@@ -81,6 +82,12 @@ class EpochPlanner:
         if not generating:
             self.points.append((self.clock(), self.step, self.trained))
 
+    def step_seconds(self) -> tuple[float, float]:
+        """The window's mean seconds per step and their standard deviation."""
+        times = [(b[0] - a[0]) / max(b[1] - a[1], 1) for a, b in zip(self.points, list(self.points)[1:])]
+        mean = sum(times) / len(times)
+        return mean, math.sqrt(sum((t - mean) ** 2 for t in times) / max(len(times) - 1, 1))
+
     def plan(self, remaining_per_epoch: list[int], first_open_epoch: int, horizon_epochs: int | None = None) -> Plan | None:
         """None until the pace is measured. `remaining_per_epoch[e]`: epoch e's samples not yet
         trained; `first_open_epoch`: the lowest epoch from which on none has begun;
@@ -94,10 +101,18 @@ class EpochPlanner:
         if rate <= 0:
             return None
         begun, usable = max(first_open_epoch, 1), (self.deadline - now) * (1 - self.slack)
+        step_s, spread_s = self.step_seconds()
+
+        def seconds_for(samples: int) -> float:
+            # at the measured pace, plus the last step (partial: it waits for the last samples)
+            # and two standard deviations of a sum of that many step times (a window with a
+            # checkpoint in it steps unevenly: CI missed a 36 s budget by one step on a 5% slack)
+            steps = samples / per_step
+            return samples / rate + step_s + 2 * spread_s * math.sqrt(steps)
 
         def fitting(seconds: float) -> int:  # the most epochs trained within `seconds`
             n = begun
-            while n < len(remaining_per_epoch) and sum(remaining_per_epoch[: n + 1]) / rate <= seconds:
+            while n < len(remaining_per_epoch) and seconds_for(sum(remaining_per_epoch[: n + 1])) <= seconds:
                 n += 1
             return n
 

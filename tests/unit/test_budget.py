@@ -69,6 +69,30 @@ def test_the_planner_keeps_the_epochs_the_measured_pace_trains_by_the_deadline()
     assert planner.plan([0, 200], 1).samples_per_s == pytest.approx(4.0)
 
 
+def test_an_uneven_pace_keeps_a_margin_of_its_spread():
+    """Two planners measure the same 1 sample/s, one in even steps of 1 s, one alternating
+    0.5 s and 1.5 s (a checkpoint every other step). With 20 s left and 16 samples to go, the
+    even one needs 16 s + the last step = 17 s and keeps the epoch; the uneven one adds two
+    standard deviations of a sum of 16 steps (2 * 0.53 * 4 = 4.3 s, the sample deviation of
+    eight 0.5/1.5 s steps being sqrt(2/7)) and drops it."""
+    clock = Clock()
+    even = EpochPlanner(deadline=100.0 + 8 + 20, window=8, slack=0.0, clock=clock)
+    uneven = EpochPlanner(deadline=100.0 + 8 + 20, window=8, slack=0.0, clock=Clock())
+    uneven.clock.t = clock.t
+    even.on_step(1, 1, False)
+    uneven.on_step(1, 1, False)
+    for n in range(2, 10):
+        clock.t += 1.0
+        uneven.clock.t += 0.5 if n % 2 else 1.5
+        even.on_step(n, 1, False)
+        uneven.on_step(n, 1, False)
+    assert clock.t == uneven.clock.t == 108.0
+    assert even.step_seconds() == pytest.approx((1.0, 0.0))
+    assert uneven.step_seconds() == pytest.approx((1.0, (8 * 0.25 / 7) ** 0.5))
+    assert even.plan([0, 16], 1).epochs == 2
+    assert uneven.plan([0, 16], 1) == Plan(1, 1, 9, pytest.approx(1.0), drop=True)
+
+
 def test_the_pace_is_measured_again_after_a_rollback_or_more_generation():
     clock = Clock()
     planner = EpochPlanner(window=2, clock=clock)
