@@ -268,6 +268,22 @@ class CapacityConfig:
 
 
 @dataclass
+class BoxPlanConfig:
+    """One CPU box: what to train in `trainer.time_budget_s`, chosen at the job's start from the
+    paces it probes on this machine (`cluster.scaling.box_plan`): training prompts per category,
+    answer length, the replica's and the trainer's threads. Off: the settings as written."""
+
+    enabled: bool = False
+    prompts_per_category: list[int] = field(default_factory=lambda: [12, 24, 48])
+    answer_tokens: list[int] = field(default_factory=lambda: [64, 96, 128])
+    target_epochs: float = ranged(10.0, POSITIVE)  # passes over the prompts the drafter wants (the sweep's best)
+    # The budget's seconds before the first sample is trained and after training ends that the
+    # plan leaves out of the training window: the job's start-up (Ray, the store, the engine,
+    # the trainer world), on top of the probe's own seconds.
+    startup_s: float = ranged(60.0, DELAY)
+
+
+@dataclass
 class JobConfig:
     run_name: str = MISSING
     output_dir: str = "outputs"
@@ -283,6 +299,7 @@ class JobConfig:
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    box_plan: BoxPlanConfig = field(default_factory=BoxPlanConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -19,6 +19,20 @@ MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path component: it names folders and actors
 
 
+def check_box_plan(cfg: JobConfig) -> None:
+    """`box_plan`: choices that can be made (where the plan applies: `cluster.job.box`)."""
+    box = cfg.box_plan
+    if not box.enabled:
+        return
+    for key in ("prompts_per_category", "answer_tokens"):
+        values = getattr(box, key)
+        if not values or not all(AT_LEAST_1.holds(v) for v in values):
+            raise ConfigError(f"config error at `box_plan.{key}`: {values!r} must be a non-empty list of numbers >= 1")
+    if max(box.answer_tokens) >= cfg.target.max_model_len:
+        raise ConfigError(f"config error at `box_plan.answer_tokens`: {max(box.answer_tokens)} leaves no room for a "
+                          f"prompt in target.max_model_len={cfg.target.max_model_len}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Everything that can be checked without the target: choices, ranges, names, topology."""
     node = OmegaConf.structured(cfg)
@@ -37,6 +51,7 @@ def validate(cfg: JobConfig) -> None:
     for category, cap in cfg.data.category_caps.items():
         if not AT_LEAST_1.holds(cap):
             raise ConfigError(f"config error at `data.category_caps.{category}`: {cap!r} is out of range (must be {AT_LEAST_1})")
+    check_box_plan(cfg)
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")

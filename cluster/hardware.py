@@ -25,6 +25,17 @@ class CpuInfo:
     model: str
     cores: int
     flags: frozenset[str]
+    # What this process may use of them: its CPU affinity (`taskset`) and a cgroup's CPU quota
+    # (`systemd-run -p CPUQuota=`, `cpu.max`), in cores; None: no quota.
+    affinity: int | None = None
+    quota: float | None = None
+
+    @property
+    def usable_cores(self) -> int:
+        """The cores this process's threads can keep busy: the affinity, within the quota
+        rounded to whole cores (a quota of 0.66 of a core is one core, slowly)."""
+        n = self.affinity or self.cores
+        return max(1, min(n, round(self.quota))) if self.quota else n
 
     @property
     def native_bf16(self) -> bool:
@@ -32,7 +43,52 @@ class CpuInfo:
 
     def to_dict(self) -> dict:
         shown = sorted(f for f in self.flags if f.startswith(("avx", "amx")) or f in NATIVE_BF16_FLAGS)
-        return {"model": self.model, "cores": self.cores, "native_bf16": self.native_bf16, "flags": shown}
+        return {"model": self.model, "cores": self.cores, "native_bf16": self.native_bf16, "flags": shown,
+                "affinity": self.affinity, "quota_cores": self.quota, "usable_cores": self.usable_cores}
+
+
+def cpu_quota(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup and its ancestors, in cores (the tightest), from
+    cgroup v2's `cpu.max` or v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None: none set."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    root, quotas = Path(root), []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 (unified; under /sys/fs/cgroup/unified on a hybrid machine)
+            bases, read = [root, root / "unified"], _v2_quota
+        elif "cpu" in controllers.split(","):
+            bases, read = [root / controllers, root / "cpu"], _v1_quota
+        else:
+            continue
+        for base in bases:
+            here = base / path.lstrip("/")
+            while base in (here, *here.parents):
+                quota = read(here)
+                if quota is not None:
+                    quotas.append(quota)
+                if here == base:
+                    break
+                here = here.parent
+    return min(quotas) if quotas else None
+
+
+def _v2_quota(d: Path) -> float | None:
+    try:
+        limit, period = (d / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) / int(period)
+
+
+def _v1_quota(d: Path) -> float | None:
+    try:
+        limit, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit <= 0 else limit / period
 
 
 def read_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
@@ -49,7 +105,8 @@ def read_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
             model = value.strip()
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
-    return CpuInfo(model, os.cpu_count() or 1, frozenset(flags))
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return CpuInfo(model, os.cpu_count() or 1, frozenset(flags), affinity, cpu_quota())
 
 
 # Where Debian/Ubuntu put tcmalloc (package libtcmalloc-minimal4, which scripts/bootstrap.sh installs).

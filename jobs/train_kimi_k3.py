@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.control import Stop
     from cluster.job import TrainingJob
+    from cluster.job.box import plan_box
     from dspark.tau_report import fmt, format_length_table, format_table
 
     if head is None:
@@ -162,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     warn_short_stop_wait()
     if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
+    started = time.monotonic()  # the time budget counts from here: the box's probe is part of it
+    try:
+        box = plan_box(cfg, conversations, started)  # box_plan: what this machine can train in the budget
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
     ray.init(log_to_driver=True)
-    job = TrainingJob(cfg, conversations)
+    job = TrainingJob(cfg, conversations, started=started, box_plan=box)
 
     def stop(signum, _frame):
         # The first signal (`ray job stop` sends SIGTERM) asks the job to stop after its step with
@@ -212,9 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: not measured ({why})")
     proof = result["exactly_once"]
     epochs = result["epochs"]
+    # what was trained, as passes over the prompts: "20 of 20 planned epochs" said nothing of a run
+    # that the time budget ended 3.5% into its plan
     print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
-          f"({proof['crossed']} by another group's rank), {epochs['kept']} of {epochs['planned']} planned epochs "
+          f"({proof['crossed']} by another group's rank): {epochs['trained']:.1f} epochs of {epochs['prompts']} prompts "
+          f"({result['trained_fraction']:.0%} of the {epochs['kept']} epochs kept of {epochs['planned']} planned) "
           f"in {result['trained_until_s'] / 60:.1f} min, ended by {result['ended_by']}; record: {proof['record']}")
+    if result.get("plan"):
+        p = result["plan"]
+        print(f"plan for this box: {p['prompts_per_category']} prompts per category, answers of up to {p['answer_tokens']} "
+              f"tokens, expected {p['epochs']:.1f} epochs ({p['reasons'][0]})")
     print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
     quality = result["quality"]
     if not quality["worth_serving"]:

@@ -27,7 +27,11 @@ NO_CALIBRATION = "data.calibration_prompts=0"
 # The end evaluation's sampled and long-context sets (tests/integration/test_job.py judges them):
 # the long prompts alone cost a job test ~25 s on 2 cores.
 QUICK_EVAL = ["data.long_context_prompts=null", "data.eval_temperature=0"]
-REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION, *QUICK_EVAL]
+# The data and threads as the test writes them, not as the box's plan would choose them for the
+# local job's time budget (tests/integration/test_box.py judges the plan).
+FIXED_PLAN = "box_plan.enabled=false"
+REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION, *QUICK_EVAL,
+                   FIXED_PLAN]
 
 
 def eager_target(path, **fields) -> TargetConfig:

@@ -82,7 +82,11 @@ def finish(job, calibration: dict) -> dict:
         "trained_fraction": proof["trained"] / max(counts.total, 1),
         "exactly_once": proof, "world": job.gang.layout(), "calibration": calibration, "events": job.events,
         # the plan the time budget kept (cluster.training.budget); what each epoch trained is in exactly_once
-        "epochs": {"planned": job.cfg.data.epochs, "kept": counts.epochs}, "lr_horizon": job.total_steps,
+        "epochs": {"planned": job.cfg.data.epochs, "kept": counts.epochs, "prompts": len(job.train_prompts),
+                   "trained": round(proof["trained"] / max(len(job.train_prompts), 1), 3)},
+        "lr_horizon": job.total_steps,
+        # what cluster.job.box chose for this machine (box_plan.enabled), with the paces it probed
+        "plan": job.box_plan,
         "trained_until_s": job.trained_until_s,
         "groups": {name: {"replicas": job.final_replicas[name], "generated": proof["generated_by_group"].get(name, 0),
                           "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),

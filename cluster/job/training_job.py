@@ -48,13 +48,15 @@ WATCHER_LEDGER_TIMEOUT_S = 30.0
 
 
 class TrainingJob:
-    def __init__(self, cfg: JobConfig, conversations: list | None = None) -> None:
+    def __init__(self, cfg: JobConfig, conversations: list | None = None, started: float | None = None,
+                 box_plan: dict | None = None) -> None:
         """`conversations`: the prompts as `cluster.preflight.check_inputs` read them (None: the
-        job reads them)."""
+        job reads them); `started`: the job's start (time.monotonic; None: now), from which the
+        time budget and the wall clock count; `box_plan`: the plan `cluster.job.box` chose."""
         import ray
 
-        self.cfg, self.ray, self.conversations = cfg, ray, conversations
-        self.started = time.monotonic()  # result.json's wall clock
+        self.cfg, self.ray, self.conversations, self.box_plan = cfg, ray, conversations, box_plan
+        self.started = time.monotonic() if started is None else started  # result.json's wall clock
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -72,6 +74,10 @@ class TrainingJob:
         self.resume_from: Path | None = None
         self.uncommitted: list[LeasedSample] = []  # lease rows since the last commit (calibration reads the last ones)
         self.events: list[str] = []
+        if box_plan:
+            self.events.append(f"plan for this box: {box_plan['prompts_per_category']} prompts per category, answers of "
+                               f"up to {box_plan['answer_tokens']} tokens, replica {box_plan['replica_threads']} / trainer "
+                               f"{box_plan['trainer_threads']} thread(s): {'; '.join(box_plan['reasons'])}")
         self.ended_by = "data"  # data | max_steps | time_budget | stop
         self.trainer_generation = 0  # bumped per trainer placement after a resize: new placement group names
         self.trainer_restarts = 0

@@ -15,7 +15,7 @@ import pytest
 
 from cluster.config import load_config
 from dspark import evaluate
-from tests.helpers import QUICK_EVAL, eager_target, untrained_copy
+from tests.helpers import FIXED_PLAN, QUICK_EVAL, eager_target, untrained_copy
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["data.epochs=4", "sampling.max_tokens=48", "trainer.checkpoint_interval=6", "data.eval_limit=3",
          "data.eval_max_new_tokens=32", "logging.progress_interval_s=5", "transport.segment_mb=256",
          "data.max_prompts_per_category=3", "trainer.batch_tokens=512", "trainer.warmup_steps=4",
-         "data.calibration_prompts=6", *QUICK_EVAL]  # (the end-to-end test turns both sets back on)
+         "data.calibration_prompts=6", FIXED_PLAN, *QUICK_EVAL]  # (the end-to-end test turns both sets back on)
 
 
 def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ConfigError, load_config, resolve_for_machine
-from cluster.hardware import CpuInfo, read_cpu
+from cluster.hardware import CpuInfo, cpu_quota, read_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 XEON_NO_BF16 = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n" \
@@ -87,3 +87,34 @@ def test_cpu_process_env(monkeypatch):
 def test_unknown_preload_is_a_config_error(key):
     with pytest.raises(ConfigError, match=rf"`{key}`: \['jemalloc'\] not among"):
         load_config(ROOT / "configs" / "local.yaml", [f"{key}=[jemalloc]"])
+
+
+def test_a_cgroup_quota_is_read_in_cores_the_tightest_level_wins(tmp_path):
+    # cgroup v1: the cpu controller's hierarchy, a quota on the job's cgroup and a looser one above
+    v1 = tmp_path / "v1"
+    job = v1 / "cpu" / "slow" / "job"
+    job.mkdir(parents=True)
+    (v1 / "cpu" / "slow" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu" / "slow" / "cpu.cfs_period_us").write_text("100000\n")
+    (job / "cpu.cfs_quota_us").write_text("66000\n")
+    (job / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # the root: no quota
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    cgroup = tmp_path / "cgroup-v1"
+    cgroup.write_text("4:memory:/elsewhere\n1:cpu:/slow/job\n0::/\n")
+    assert cpu_quota(cgroup, v1) == pytest.approx(0.66)
+    # cgroup v2 (cpu.max: "max" is none)
+    v2 = tmp_path / "v2"
+    (v2 / "user" / "run").mkdir(parents=True)
+    (v2 / "user" / "cpu.max").write_text("max 100000\n")
+    (v2 / "user" / "run" / "cpu.max").write_text("200000 100000\n")
+    cgroup.write_text("0::/user/run\n")
+    assert cpu_quota(cgroup, v2) == pytest.approx(2.0)
+    (v2 / "user" / "run" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(cgroup, v2) is None
+    assert cpu_quota(tmp_path / "absent", v2) is None
+
+
+@pytest.mark.parametrize("affinity, quota, usable", [(None, None, 8), (2, None, 2), (8, 0.66, 1), (2, 1.5, 2), (1, 3.0, 1)])
+def test_usable_cores_are_the_affinity_within_the_quota(affinity, quota, usable):
+    assert CpuInfo("x", 8, frozenset(), affinity, quota).usable_cores == usable

@@ -1,0 +1,97 @@
+"""`plan_box`: on one CPU box, choose what the job trains in its time budget before anything is
+placed, and apply it to the config (`box_plan.enabled`).
+
+Reads what the plan needs (the training prompts per category before any cap, their mean length
+in the target's chat template, the cores this process may use: affinity and quota), probes the
+paces (`cluster.job.machine_paces`), asks the pure `cluster.scaling.box_plan.choose_plan`, then
+sets `data.max_prompts_per_category`, `sampling.max_tokens`, `inference.cpu_threads` and
+`trainer.torch_threads`. Returns what result.json records as `plan`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+
+from cluster.config import JobConfig
+from cluster.scaling.box_plan import Choices, Workload, choose_plan
+
+log = logging.getLogger("dspark.job")
+
+
+def prompt_tokens(target, conversations, limit: int = 200) -> float:
+    """Mean tokens of the prompts (up to `limit`) as the replica renders them (the job's chat
+    format, the generation prompt included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target.path, trust_remote_code=target.trust_remote_code)
+    lengths = [len(tok(target.chat.render(tok, c.prompt_messages, add_generation_prompt=True),
+                       add_special_tokens=False).input_ids) for c in conversations[:limit]]
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def box_unfit(cfg: JobConfig) -> str | None:
+    """Why the box plan does not apply to this config (None: it does). It plans one CPU box's
+    generation and training within a time budget."""
+    if cfg.device != "cpu":
+        return f"device {cfg.device}"
+    if len(cfg.topology.groups) != 1:
+        return f"{len(cfg.topology.groups)} groups"
+    if cfg.inference.backend != "vllm":
+        return f"the {cfg.inference.backend} backend generates nothing"
+    if not cfg.trainer.time_budget_s:
+        return "no trainer.time_budget_s"
+    if cfg.trainer.max_steps:
+        return f"trainer.max_steps={cfg.trainer.max_steps} ends training first"
+    return None
+
+
+def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=time.monotonic) -> dict | None:
+    """The plan for this box, applied to `cfg` (None: `box_plan` is off). `started`: the job's
+    start on `clock`, from which the time budget counts."""
+    if not cfg.box_plan.enabled:
+        return None
+    unfit = box_unfit(cfg)
+    if unfit:
+        log.info("box_plan: not applied (%s): the data and threads as configured", unfit)
+        return None
+    from cluster.data import load_prompts
+    from cluster.hardware import read_cpu
+    from cluster.inference import read_target
+    from cluster.job.machine_paces import probe_paces
+
+    box = cfg.box_plan
+    uncapped = copy.deepcopy(cfg)
+    uncapped.data.max_prompts_per_category = None
+    train, _ = load_prompts(uncapped, conversations)
+    per_category = Counter(c.category or "" for c in train)
+    target = read_target(cfg)
+    target_dir = target.path
+    mean_prompt = prompt_tokens(target, train)
+    cpu = read_cpu()
+    cores = cpu.usable_cores
+    paces, probe_s = probe_paces(cfg, target_dir, cores, round(mean_prompt), max(box.answer_tokens))
+    window = cfg.trainer.time_budget_s - box.startup_s - (clock() - started)
+    work = Workload(dict(per_category), mean_prompt, cfg.trainer.batch_tokens, window, cores, cfg.data.epochs)
+    plan = choose_plan(work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs))
+    before = {"data.max_prompts_per_category": cfg.data.max_prompts_per_category, "sampling.max_tokens": cfg.sampling.max_tokens,
+              "inference.cpu_threads": cfg.inference.cpu_threads, "trainer.torch_threads": cfg.trainer.torch_threads}
+    cfg.data.max_prompts_per_category = plan.prompts_per_category
+    cfg.sampling.max_tokens = plan.answer_tokens
+    cfg.inference.cpu_threads = plan.replica_threads
+    cfg.trainer.torch_threads = plan.trainer_threads
+    cfg.trainer.torch_threads_when_idle = cores
+    log.info("the plan for this box (%s, %d usable cores%s): %d prompts per category (%d prompts), answers of up to "
+             "%d tokens, the replica on %d thread(s) and the trainer on %d while it generates, all %d after; %s",
+             cpu.model, cores, f", quota {cpu.quota:g} cores" if cpu.quota else "", plan.prompts_per_category,
+             plan.prompts, plan.answer_tokens, plan.replica_threads, plan.trainer_threads, cores, "; ".join(plan.reasons))
+    if not plan.worth_serving:
+        log.warning("this box cannot train a drafter worth serving in trainer.time_budget_s=%g: %s",
+                    cfg.trainer.time_budget_s, plan.reasons[-1])
+    return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "step_s": paces.step_s,
+                                        "source": paces.source, "probe_s": round(probe_s, 1)},
+            "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
+                         "train_window_s": round(window, 1), "usable_cores": cores, "quota_cores": cpu.quota},
+            "replaced": before}

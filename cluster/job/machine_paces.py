@@ -1,0 +1,146 @@
+"""`probe_paces`: what this machine does, measured in the driver before anything is placed, for
+the box's plan (`cluster.scaling.box_plan`).
+
+- **Trainer**: the job's drafter (its config, the target's weights) on synthetic samples of the
+  job's shapes (prompt + answer tokens; random hidden states of the target's layers, in its
+  dtype), one full first-epoch step (the target's full-vocabulary normaliser, forward, loss,
+  backward, AdamW) timed at each thread count after one untimed step. DeepSpeed is left out: a
+  world of one adds little to a step, and its set-up would double the probe.
+- **Generation**: the target's decode step in transformers (KV cache, the replica's batch),
+  at each replica thread count, scaled by how much faster vLLM's CPU engine decodes than that
+  (`VLLM_OVER_TRANSFORMERS`, measured). A probe of vLLM itself would start an engine (tens of
+  seconds) only to start another.
+
+A CPU quota (a cgroup's `cpu.max`, `systemd-run -p CPUQuota=`) slows both as it slows the job:
+the probe runs under it. The paces are a projection, not a promise: the job measures its own
+as it goes, and the time budget's `EpochPlanner` keeps the epochs the real pace trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+from cluster.scaling.box_plan import Paces
+
+log = logging.getLogger("dspark.job")
+
+# vLLM's CPU engine tokens/s over this probe's at the same batch (64) and threads, the local
+# target, greedy: on a 2-core Xeon (Ice Lake, family 6 model 106, fp32) `benchmarks/generation.py`'s
+# plain vLLM (iomp, tcmalloc) made 147 tok/s on one thread and 259 on two, the probe 198-212 and
+# 303-324 (the engine also prefills real prompts and schedules). One thread's ratio: on two cores
+# the replica gets one while the trainer steps (0.83 on two threads).
+VLLM_OVER_TRANSFORMERS = 0.72
+
+
+@contextmanager
+def torch_threads(n: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe_trainer(cfg, target_dir, prompt_tokens: int, answer_tokens: int, threads: list[int],
+                  repeats: int = 2) -> dict[int, float]:
+    """Seconds per first-epoch step at each thread count, on samples of prompt + answer tokens
+    (the optimizer's learning rate is 0 at its first steps: the weights the steps see stay put)."""
+    import torch
+
+    from dspark.config import DSparkConfig
+    from dspark.losses import LossWeights
+    from dspark.model import DSparkDrafter
+    from dspark.samples import Sample
+    from dspark.training import DrafterObjective, OptimConfig, build_optimizer, token_budget_batches
+
+    d, t = cfg.drafter, cfg.trainer
+    dcfg = DSparkConfig.from_target(target_dir, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
+                                    markov_rank=d.markov_rank, draft_vocab_size=d.draft_vocab_size,
+                                    num_aux_layers=cfg.target.num_aux_layers)
+    gen = torch.Generator().manual_seed(0)
+    model = DSparkDrafter(dcfg)
+    model.load_target_weights(target_dir)
+    # the draft vocabulary: the first ids (which ones does not change a step's cost); d2t holds
+    # offsets (draft id + d2t = target id), as in speculators
+    d2t = torch.zeros(dcfg.draft_vocab_size, dtype=torch.long)
+    t2d = torch.zeros(dcfg.target_vocab_size, dtype=torch.bool)
+    t2d[: dcfg.draft_vocab_size] = True
+    model.set_vocab_mapping(d2t, t2d)
+    opt, _ = build_optimizer(model, OptimConfig(lr=t.lr, warmup_steps=1, total_steps=100))
+    objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay),
+                                 d.num_anchors, autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None)
+    hidden_dtype = torch.float32 if cfg.target.dtype == "float32" else torch.bfloat16
+    tokens = prompt_tokens + answer_tokens
+    layer_ids = dcfg.extract_layer_ids
+
+    def sample() -> Sample:
+        ids = torch.randint(0, dcfg.draft_vocab_size, (tokens,), generator=gen)
+        mask = torch.zeros(tokens, dtype=torch.bool)
+        mask[prompt_tokens:] = True
+        hidden = torch.randn(tokens, len(layer_ids), dcfg.hidden_size, generator=gen).to(hidden_dtype)
+        return Sample(ids, mask, hidden, list(layer_ids))
+
+    per_step = max(1, t.batch_tokens // tokens)
+    batch_samples = next(iter(token_budget_batches([sample() for _ in range(per_step)], t.batch_tokens)))
+    dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
+
+    def step() -> None:
+        loss, _ = objective(objective.pack(batch_samples, dtype=dtype), module=model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    paces = {}
+    for n in threads:
+        with torch_threads(n):
+            step()  # untimed: first-touch allocations, oneDNN's kernel choice for this thread count
+            paces[n] = min(timed(step) for _ in range(repeats))  # the least disturbed of a few
+    return paces
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def probe_generation(target_dir, dtype: str, batch: int, threads: list[int], context: int = 8,
+                     steps: int = 6) -> dict[int, float]:
+    """Tokens/s of the target's batched decode at each thread count, scaled to vLLM's engine.
+    A short context: a 135M target's decode step is its weights' matmuls at any context of a few
+    hundred tokens, and the prefill of a long one cost 20 s of the probe's 30 on one thread."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, model.config.vocab_size, (batch, context), generator=gen)
+    paces = {}
+    for n in threads:
+        with torch_threads(n), torch.inference_mode():
+            past = model(ids, use_cache=True).past_key_values
+            token = ids[:, -1:]
+            model(token, past_key_values=past, use_cache=True)  # untimed
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                past = model(token, past_key_values=past, use_cache=True).past_key_values
+            paces[n] = batch * steps / (time.perf_counter() - t0) * VLLM_OVER_TRANSFORMERS
+            past = None
+    return paces
+
+
+def probe_paces(cfg, target_dir, cores: int, prompt_tokens: int, answer_tokens: int) -> tuple[Paces, float]:
+    """The paces at every thread count the plan may choose (replica 1..cores-1, trainer 1..cores),
+    and the probe's own seconds."""
+    t0 = time.perf_counter()
+    replica_threads = list(range(1, max(cores, 2)))
+    generation = probe_generation(target_dir, cfg.target.dtype, min(cfg.inference.prompt_batch, cfg.target.max_num_seqs),
+                                  replica_threads)
+    steps = probe_trainer(cfg, target_dir, prompt_tokens, answer_tokens, list(range(1, cores + 1)))
+    return Paces(generation, steps, source="probe"), time.perf_counter() - t0

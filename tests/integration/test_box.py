@@ -1,0 +1,65 @@
+"""The box's plan on this machine (configs/local.yaml's `box_plan`): the probe (the job's drafter
+on the real target's weights, the target's own decode), the plan it chooses applied to the
+config, and the record result.json carries; on one core (`taskset`) the plan sees one core."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.config import load_config
+from cluster.data import load_prompts
+from cluster.hardware import read_cpu
+from cluster.job.box import plan_box
+from cluster.scaling.box_plan import Choices, Paces, Workload, choose_plan
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_plan_is_probed_chosen_and_applied(smol_target):
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=box", "trainer.time_budget_s=300"])
+    record = plan_box(cfg, None, time.monotonic())
+    assert cfg.data.max_prompts_per_category == record["prompts_per_category"] in (12, 24, 48)
+    assert cfg.sampling.max_tokens == record["answer_tokens"] in (64, 96, 128)
+    assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads) == (record["replica_threads"], record["trainer_threads"])
+    cores = read_cpu().usable_cores
+    w, paces = record["workload"], record["paces"]
+    assert w["usable_cores"] == cores and cfg.trainer.torch_threads_when_idle == cores
+    assert sorted(paces["step_s"]) == list(range(1, cores + 1)) and min(paces["step_s"].values()) > 0
+    assert sorted(paces["generation_tok_s"]) == list(range(1, max(cores, 2))) and min(paces["generation_tok_s"].values()) > 0
+    # the window is the budget less the start-up allowance and what the probe itself took
+    assert 300 - 60 - 2 * paces["probe_s"] - 5 < w["train_window_s"] < 300 - 60
+    # the record alone gives the same plan: the pure function over what was probed
+    again = choose_plan(Workload(w["prompts_per_category"], w["prompt_tokens"], cfg.trainer.batch_tokens,
+                                 w["train_window_s"], cores, cfg.data.epochs),
+                        Paces(paces["generation_tok_s"], paces["step_s"], paces["source"]),
+                        Choices((12, 24, 48), (64, 96, 128), 10.0))
+    assert {k: record[k] for k in again.to_dict() if k not in ("generation_s", "epochs", "reasons")} == \
+        {k: v for k, v in again.to_dict().items() if k not in ("generation_s", "epochs", "reasons")}
+    # what the job then trains on is the plan's prompts
+    train, _ = load_prompts(cfg)
+    assert len(train) == record["prompts"] == sum(min(record["prompts_per_category"], n)
+                                                  for n in w["prompts_per_category"].values())
+    json.dumps(record)  # result.json carries it as it is
+
+
+def test_on_one_core_the_plan_sees_one_core(smol_target):
+    if not hasattr(__import__("os"), "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    code = ("import json, time; from cluster.config import load_config; from cluster.job.box import plan_box; "
+            "cfg = load_config('configs/local.yaml', ['run_name=box1', 'trainer.time_budget_s=300']); "
+            "r = plan_box(cfg, None, time.monotonic()); "
+            "print(json.dumps({'w': r['workload'], 'p': r['paces'], 'r': r['replica_threads'], 't': r['trainer_threads'],"
+            " 'idle': cfg.trainer.torch_threads_when_idle}))")
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["w"]["usable_cores"] == 1 and (r["r"], r["t"], r["idle"]) == (1, 1, 1)
+    assert list(r["p"]["step_s"]) == ["1"] and list(r["p"]["generation_tok_s"]) == ["1"]
