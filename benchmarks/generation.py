@@ -14,7 +14,11 @@ replica:
   a real store — what the job's replica does;
 and the environment knobs a replica can be given: `threads=N` (the engine's OpenMP/torch
 threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel OpenMP preloaded, as
-vLLM's CPU guide asks), `tcmalloc` (likewise its allocator). Prints the CPU (model, cores, flags), then generated tokens/s per
+vLLM's CPU guide asks), `tcmalloc` (likewise its allocator), and `trainer=N`: while the variant
+is timed, a trainer process steps beside it on N threads (the local job's drafter, first-epoch
+steps of its shapes, its preloads and OpenMP settings: `cluster.job.machine_paces.probe_trainer`
+in a loop), as the local job's rank does while its replica generates. A `trainer` variant is
+compared with the same variant alone. Prints the CPU (model, cores, flags), then generated tokens/s per
 variant and its ratio to plain vLLM at the same batch and knobs (`plain iomp` is the baseline
 of `job iomp`).
 """
@@ -38,6 +42,36 @@ def prompts(n: int) -> list[dict]:
 
     train, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml"))
     return [{"id": c.id, "messages": c.prompt_messages} for c in train[:n]]
+
+
+TRAINER_LOOP = """
+import sys
+sys.path.insert(0, {root!r})
+from cluster.config import load_config
+from cluster.job.machine_paces import probe_trainer
+from dspark.targets import prepare_smollm2
+cfg, target = load_config({config!r}), prepare_smollm2()
+print(probe_trainer(cfg, target, 58, 128, [{threads}], repeats=1), flush=True)
+while True:
+    probe_trainer(cfg, target, 58, 128, [{threads}], repeats=20)
+"""
+
+
+def start_trainer(threads: int, cfg):
+    """A process stepping the local job's drafter on `threads` threads, as a trainer rank beside
+    the replica does; returns once it steps."""
+    import subprocess
+
+    from cluster.hardware import cpu_process_env
+
+    env = {**os.environ, **cpu_process_env(tuple(cfg.trainer.preload), threads)}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER_LOOP.format(root=str(ROOT), threads=threads,
+                                                                       config=str(ROOT / "configs" / "local.yaml"))],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = proc.stdout.readline()  # its first timed step: it is stepping
+    if not first:
+        raise RuntimeError("the trainer beside the replica did not start")
+    return proc
 
 
 def main() -> None:
@@ -88,8 +122,11 @@ def main() -> None:
             words = variant.split()
             settings = replace(base, extract=words[0] == "job")
             env = {}
+            trainer_threads = None
             for w in words[1:]:
-                if w.startswith("threads="):
+                if w.startswith("trainer="):
+                    trainer_threads = int(w.split("=")[1])
+                elif w.startswith("threads="):
                     env["OMP_NUM_THREADS"] = w.split("=")[1]
                 elif w in ("iomp", "tcmalloc"):
                     found = preload_libraries((w,))
@@ -102,6 +139,7 @@ def main() -> None:
                     runtime_env={"env_vars": env} if env else None).remote(settings)
                 threads = ray.get(actor.threads.remote())
                 ray.get(actor.process.remote([{**p, "key": f"bench/warm/{p['id']}"} for p in work[:2]]))
+                beside = start_trainer(trainer_threads, cfg) if trainer_threads else None
                 generated, t0 = 0, time.perf_counter()
                 for i in range(0, len(work), batch):
                     chunk = [{**p, "key": f"bench/{batch}/{variant}/{p['id']}"} for p in work[i:i + batch]]
@@ -112,6 +150,9 @@ def main() -> None:
                         if o.ref:
                             holder.remove(o.ref["key"])
                 dt = time.perf_counter() - t0
+                if beside is not None:
+                    beside.kill()
+                    beside.wait()
                 ray.kill(actor)
                 rows.append((batch, variant, generated / dt, threads))
                 print(f"  batch {batch:3d} {variant:30s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
@@ -121,10 +162,14 @@ def main() -> None:
     print(f"{'batch':>5} {'variant':30} {'tok/s':>7} {'vs plain':>9}")
 
     def knobs(variant: str) -> list[str]:
-        return sorted(variant.split()[1:])
+        return sorted(w for w in variant.split()[1:] if not w.startswith("trainer="))
+
+    def alone(variant: str) -> str:  # a variant with a trainer beside it is compared with itself alone
+        return variant.split()[0] if "trainer=" in variant else "plain"
 
     for batch, variant, rate, _ in rows:
-        plain = next((r for b, v, r, _ in rows if b == batch and v.split()[0] == "plain" and knobs(v) == knobs(variant)), None)
+        plain = next((r for b, v, r, _ in rows if b == batch and v.split()[0] == alone(variant) and "trainer=" not in v
+                      and knobs(v) == knobs(variant)), None)
         print(f"{batch:5d} {variant:30} {rate:7.1f} {rate / plain if plain else float('nan'):8.2f}x")
     holder.close()
     master.stop()

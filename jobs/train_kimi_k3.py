@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cluster.control import Stop
-    from cluster.job import TrainingJob
-    from cluster.job.box import plan_box
+    from cluster.job import TrainingJob, plan_box
     from dspark.tau_report import fmt, format_length_table, format_table
 
     if head is None:

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from cluster.config import JobConfig
-from cluster.scaling.box_plan import Choices, Workload, choose_plan
+from cluster.scaling import Choices, Workload, choose_plan
 
 log = logging.getLogger("dspark.job")
 

@@ -69,6 +69,8 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     proof = result["exactly_once"]
     assert proof["per_epoch"] == {str(e): 24 for e in range(cfg.data.epochs)} and proof["failed"] == []
     assert result["steps"] >= 2
+    # what was trained as passes over the prompts; no box plan (FIXED_PLAN): the settings as written
+    assert result["epochs"] == {"planned": 4, "kept": 4, "prompts": 24, "trained": 4.0} and result["plan"] is None
     run = tmp_path / "e2e"
     rows = [json.loads(line) for line in (run / "trained.jsonl").read_text().splitlines()]
     epochs = range(cfg.data.epochs)
