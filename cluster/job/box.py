@@ -90,8 +90,9 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     if not plan.worth_serving:
         log.warning("this box cannot train a drafter worth serving in trainer.time_budget_s=%g: %s",
                     cfg.trainer.time_budget_s, plan.reasons[-1])
-    return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "step_s": paces.step_s,
-                                        "source": paces.source, "probe_s": round(probe_s, 1)},
+    return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "first_step_s": paces.first_step_s,
+                                        "later_step_s": paces.later_step_s, "source": paces.source,
+                                        "probe_s": round(probe_s, 1)},
             "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
                          "train_window_s": round(window, 1), "usable_cores": cores, "quota_cores": cpu.quota},
             "replaced": before}

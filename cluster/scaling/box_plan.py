@@ -18,14 +18,22 @@ budget is what the user gives, so the plan follows the machine:
   `trainer.torch_threads`): on one box the inference/training ratio is a split of its cores;
   once every answer is generated the trainer takes them all (`torch_threads_when_idle`).
 
-The model of a run, for each choice (U prompts, answers of L tokens, r replica threads):
-    generation   G = U·L / gen_tok_s[r]            (greedy answers: epoch 0 only, reused later)
+The model of a run, for each choice (U prompts, answers of L tokens, r replica threads, the
+trainer on t = max(cores - r, 1) beside it; measured against two runs of the local job on a
+2-core Xeon, where the first model, which knew neither the trainer's wait for its first samples
+nor the cheaper later epochs, chose 12 prompts a category and lost 0.07 τ against 24):
+    share        min(1, cores / (r + t·busy)): what each gets of its threads while both run, busy
+                 being the share of its time the trainer steps (it waits for answers otherwise)
+    generation   G = U·L / (gen_tok_s[r]·share)      (greedy answers: epoch 0 only, reused later)
     per step     S = batch_tokens / (prompt_tokens + L) samples
-    trained      while generating: min(U/G, S/step_s[cores - r]) samples/s for G seconds,
-                 then S/step_s[cores] samples/s for the rest of the training window
+    while G      the trainer waits for its first `first_samples` (the draft vocabulary is counted
+                 on them), then trains what arrives: min(U/G, S·share/first_step_s[t]) samples/s
+    after G      the rest of epoch 0 at S/first_step_s[cores] samples/s (a sample's first epoch
+                 computes the target's full-vocabulary normaliser), the later epochs at
+                 S/later_step_s[cores] (the normaliser cached), to the end of the window
     epochs       trained / U, at most `max_epochs`
-Pure: the paces are passed in (measured by the job's probe, or by the last run on this machine:
-`cluster.job.machine_paces`), and tests inject them.
+Pure: the paces are passed in (probed by the job at its start: `cluster.job.machine_paces`),
+and tests inject them.
 """
 
 from __future__ import annotations
@@ -36,17 +44,21 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class Paces:
     """What this machine does. `generation_tok_s[r]`: a replica's tokens/s at r threads at its
-    batch; `step_s[t]`: a trainer rank's seconds per step at t threads; `source`: where they came
-    from (a probe at this job's start, or the record of a run on this machine)."""
+    batch; `first_step_s[t]`: a trainer rank's seconds per step at t threads on samples in their
+    first epoch; `later_step_s[t]`: on samples in a later epoch; `source`: where they came from."""
     generation_tok_s: dict[int, float]
-    step_s: dict[int, float]
+    first_step_s: dict[int, float]
+    later_step_s: dict[int, float]
     source: str = "injected"
 
     def gen(self, threads: int) -> float:
         return _at(self.generation_tok_s, threads)
 
-    def step(self, threads: int) -> float:
-        return _at(self.step_s, threads)
+    def first(self, threads: int) -> float:
+        return _at(self.first_step_s, threads)
+
+    def later(self, threads: int) -> float:
+        return _at(self.later_step_s, threads)
 
 
 def _at(table: dict[int, float], threads: int) -> float:
@@ -60,9 +72,10 @@ class Workload:
     prompts_per_category: dict[str, int]  # training prompts available in each category
     prompt_tokens: float  # mean tokens of a training prompt (chat template included)
     batch_tokens: int  # a trainer step's token budget
-    train_window_s: float  # seconds from the first sample to the end of training
+    train_window_s: float  # seconds from the replica's first token to the end of training
     cores: int
     max_epochs: int
+    first_samples: int = 64  # stored samples the trainer waits for before its first step
 
 
 @dataclass(frozen=True)
@@ -94,27 +107,34 @@ class BoxPlan:
 def expected(work: Workload, paces: Paces, cap: int, answer: int, replica_threads: int) -> tuple[int, float, float]:
     """(unique prompts, generation seconds, trained samples) of one choice, by the module's model."""
     prompts = sum(min(cap, n) for n in work.prompts_per_category.values())
-    trainer_threads = max(work.cores - replica_threads, 1)
-    generation_s = prompts * answer / paces.gen(replica_threads)
-    if work.cores == 1:  # one core shared: each runs at half its pace while both do
-        generation_s *= 2
+    r, t, cores = replica_threads, max(work.cores - replica_threads, 1), work.cores
     per_step = max(work.batch_tokens / (work.prompt_tokens + answer), 1.0)
-    during = min(prompts / generation_s, per_step / paces.step(trainer_threads) / (2 if work.cores == 1 else 1))
+    # the trainer takes its threads only while it steps: the share of its time it does, at the
+    # pace answers would arrive without it
+    busy = min(1.0, prompts / (prompts * answer / paces.gen(r)) / (per_step / paces.first(t)))
+    share = min(1.0, cores / (r + t * busy))
+    generation_s = prompts * answer / (paces.gen(r) * share)
+    arrival = prompts / generation_s
     window = work.train_window_s
+    waited = min(work.first_samples, prompts) / arrival  # until the trainer's first step
+    during = min(arrival, per_step * share / paces.first(t)) * max(0.0, min(generation_s, window) - waited)
     if generation_s >= window:
-        trained = during * window
-    else:
-        trained = during * generation_s + per_step / paces.step(work.cores) * (window - generation_s)
-    trained = min(trained, prompts * work.max_epochs)
-    return prompts, generation_s, trained
+        return prompts, generation_s, min(during, prompts)
+    left = window - generation_s
+    first_rate, later_rate = per_step / paces.first(cores), per_step / paces.later(cores)
+    rest_of_first = prompts - during  # epoch 0's samples not yet trained when generation ends
+    if rest_of_first / first_rate >= left:
+        return prompts, generation_s, during + first_rate * left
+    later = later_rate * (left - rest_of_first / first_rate)
+    return prompts, generation_s, min(prompts + later, prompts * work.max_epochs)
 
 
 def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> BoxPlan:
     """Among the choices that train `target_epochs`: the longest answers (what the sweep
     measured; shorter ones are a slow box's remedy), then the most prompts, then the most
-    epochs. Where none reaches it: the most epochs, then the most prompts. The reasons say
+    epochs. Where none reaches it: the most epochs, then the shortest generation. The reasons say
     which and why, with the figures."""
-    splits = range(1, work.cores) if work.cores > 1 else (1,)
+    splits = range(1, work.cores + 1)
     options = []
     for cap in sorted(set(choices.prompts_per_category)):
         for answer in sorted(set(choices.answer_tokens)):
@@ -128,17 +148,22 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
         why = (f"the longest answers, and with them the most prompts, that still train {choices.target_epochs:g} "
                f"epochs in {work.train_window_s:.0f} s (more prompts pay only once each is seen that often)")
     else:
-        cap, answer, r, prompts, generation_s, trained, epochs = max(options, key=lambda o: (round(o[6], 2), o[3], o[1]))
+        cap, answer, r, prompts, generation_s, trained, epochs = max(options, key=lambda o: (round(o[6], 2), -o[4]))
         why = (f"no choice trains {choices.target_epochs:g} epochs in {work.train_window_s:.0f} s: the one that trains "
                f"the most epochs")
     reasons = [why,
                f"paces ({paces.source}): generation {paces.gen(r):.0f} tok/s at {r} thread(s), a trainer step "
-               f"{paces.step(max(work.cores - r, 1)):.2f} s at {max(work.cores - r, 1)} thread(s) beside it and "
-               f"{paces.step(work.cores):.2f} s at {work.cores} after",
+               f"{paces.first(max(work.cores - r, 1)):.2f} s at {max(work.cores - r, 1)} thread(s) beside it, then "
+               f"{paces.first(work.cores):.2f} s (a sample's first epoch) and {paces.later(work.cores):.2f} s (later "
+               f"ones) at {work.cores}",
                f"expected: {prompts} prompts × answers of up to {answer} tokens generated in {generation_s:.0f} s, "
                f"{trained:.0f} samples trained ({epochs:.1f} epochs)"]
     worth = epochs >= choices.min_epochs
-    if not worth:
+    if not worth and generation_s >= work.train_window_s:
+        reasons.append(f"generating one answer per prompt takes {generation_s:.0f} s, more than the "
+                       f"{work.train_window_s:.0f} s the budget leaves: raise trainer.time_budget_s by more than "
+                       f"{generation_s - work.train_window_s:.0f} s")
+    elif not worth:
         reasons.append(f"less than {choices.min_epochs:g} epoch of even the smallest choice fits: raise "
                        f"trainer.time_budget_s (about {work.train_window_s * choices.min_epochs / max(epochs, 1e-3):.0f} s "
                        f"of training for one epoch)")

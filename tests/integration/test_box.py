@@ -31,14 +31,16 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
     cores = read_cpu().usable_cores
     w, paces = record["workload"], record["paces"]
     assert w["usable_cores"] == cores and cfg.trainer.torch_threads_when_idle == cores
-    assert sorted(paces["step_s"]) == list(range(1, cores + 1)) and min(paces["step_s"].values()) > 0
-    assert sorted(paces["generation_tok_s"]) == list(range(1, max(cores, 2))) and min(paces["generation_tok_s"].values()) > 0
+    assert sorted(paces["first_step_s"]) == list(range(1, cores + 1)) and min(paces["first_step_s"].values()) > 0
+    assert sorted(paces["generation_tok_s"]) == list(range(1, cores + 1)) and min(paces["generation_tok_s"].values()) > 0
+    # a sample's later epoch skips the target's full-vocabulary normaliser: cheaper than its first
+    assert list(paces["later_step_s"]) == [cores] and paces["later_step_s"][cores] < paces["first_step_s"][cores]
     # the window is the budget less the start-up allowance and what the probe itself took
     assert 300 - 60 - 2 * paces["probe_s"] - 5 < w["train_window_s"] < 300 - 60
     # the record alone gives the same plan: the pure function over what was probed
     again = choose_plan(Workload(w["prompts_per_category"], w["prompt_tokens"], cfg.trainer.batch_tokens,
                                  w["train_window_s"], cores, cfg.data.epochs),
-                        Paces(paces["generation_tok_s"], paces["step_s"], paces["source"]),
+                        Paces(paces["generation_tok_s"], paces["first_step_s"], paces["later_step_s"], paces["source"]),
                         Choices((12, 24, 48), (64, 96, 128), 10.0))
     assert {k: record[k] for k in again.to_dict() if k not in ("generation_s", "epochs", "reasons")} == \
         {k: v for k, v in again.to_dict().items() if k not in ("generation_s", "epochs", "reasons")}
@@ -62,4 +64,4 @@ def test_on_one_core_the_plan_sees_one_core(smol_target):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["w"]["usable_cores"] == 1 and (r["r"], r["t"], r["idle"]) == (1, 1, 1)
-    assert list(r["p"]["step_s"]) == ["1"] and list(r["p"]["generation_tok_s"]) == ["1"]
+    assert list(r["p"]["first_step_s"]) == ["1"] and list(r["p"]["generation_tok_s"]) == ["1"]

@@ -1,12 +1,16 @@
 """The box's plan from injected paces, against figures worked out by hand from the module's
-model (generation U·L/tok_s; a step trains batch_tokens/(prompt+L) samples; while generating
-the trainer trains no faster than samples arrive)."""
+model (generation U·L/tok_s at the share of the cores the replica gets; a step trains
+batch_tokens/(prompt+L) samples; the trainer waits for its first 64 samples, then trains no
+faster than they arrive; after generation, a sample's first epoch at the first-epoch pace and
+its later ones at the later pace)."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.scaling.box_plan import Choices, Paces, Workload, choose_plan
+
+FAST = Paces({1: 200.0, 2: 300.0}, {1: 2.0, 2: 1.2}, {2: 0.6})
 
 
 def work(categories: int, window_s: float, cores: int = 2, max_epochs: int = 20) -> Workload:
@@ -15,58 +19,64 @@ def work(categories: int, window_s: float, cores: int = 2, max_epochs: int = 20)
 
 
 def test_a_fast_box_keeps_long_answers_and_takes_the_most_prompts_that_reach_ten_epochs():
-    plan = choose_plan(work(4, 360), Paces({1: 200.0}, {1: 2.0, 2: 1.2}))
-    # answers of 128: a step trains 1024/168 = 6.095 samples. 24 a category (96 prompts):
-    # generated in 96*128/200 = 61.4 s, trained as they come (1.56/s, under the trainer's
-    # 6.095/2.0 = 3.05/s), then 6.095/1.2 = 5.08/s for 298.6 s: 96 + 1516.5 = 1612.5 samples,
-    # 16.8 epochs. 48 a category: 192 + 5.08 * (360 - 122.9) = 1396 samples, 7.3 epochs: short
-    # of ten. (48 a category reaches ten with answers of 64: 13.8 epochs; long answers first.)
+    plan = choose_plan(work(4, 200), FAST)
+    # 24 a category (96 prompts), answers of 128: a step trains 1024/168 = 6.095 samples.
+    # The replica on both cores, the trainer's thread beside it: unshared, answers would arrive
+    # at 96/(96*128/300) = 2.344/s against the trainer's 6.095/2.0 = 3.048/s, so it steps 76.9%
+    # of the time and the replica gets 2/2.769 = 72.2% of its threads: generation takes
+    # 12288/(300*0.7223) = 56.71 s, answers arrive at 1.693/s. The trainer waits 64/1.693 =
+    # 37.81 s for its first 64, then trains them as they come: 1.693 * 18.90 = 32.0 samples.
+    # After: the other 64 first epochs at 6.095/1.2 = 5.079/s (12.60 s), then later epochs at
+    # 6.095/0.6 = 10.16/s for 200 - 56.71 - 12.60 = 130.69 s: 1327.7. In all 1423.7, 14.8 epochs.
+    # (48 a category: 943.6 samples, 4.9 epochs at answers of 128; 12.3 at 64 — long answers first.)
     assert (plan.prompts_per_category, plan.prompts, plan.answer_tokens) == (24, 96, 128)
-    assert (plan.replica_threads, plan.trainer_threads) == (1, 1)
-    assert plan.generation_s == pytest.approx(61.4, abs=0.05)
-    assert plan.trained_samples == 1612 and plan.epochs == pytest.approx(16.80, abs=0.01)
+    assert (plan.replica_threads, plan.trainer_threads) == (2, 1)
+    assert plan.generation_s == pytest.approx(56.7, abs=0.05)
+    assert plan.trained_samples == 1423 and plan.epochs == pytest.approx(14.83, abs=0.01)
     assert plan.worth_serving and "train 10 epochs" in plan.reasons[0]
 
 
+def test_one_replica_thread_where_a_second_buys_less_than_the_trainer_takes():
+    # two replica threads make 210 tok/s against one's 200: with the trainer stepping 53.8% of the
+    # time beside them the replica would get 2/2.538 of them, 165 tok/s. On one thread: 61.44 s of
+    # generation, 64 samples' wait (40.96 s), 32 trained by then; the other 64 first epochs in
+    # 12.60 s; later epochs for 200 - 61.44 - 12.60 = 125.96 s at 10.16/s: 96 + 1279.6 = 1375.6
+    plan = choose_plan(work(4, 200), Paces({1: 200.0, 2: 210.0}, FAST.first_step_s, FAST.later_step_s))
+    assert (plan.prompts_per_category, plan.replica_threads, plan.trainer_threads) == (24, 1, 1)
+    assert plan.trained_samples == 1375
+
+
 def test_the_slow_box_of_the_issue_gets_few_prompts_and_short_answers():
-    # a 2-core first-generation EPYC: plain vLLM 67 tok/s on one core, a trainer step 4.1 s on
-    # one thread; 330 s of training after start-up; 12 categories
-    plan = choose_plan(work(12, 330), Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, source="probe"))
-    # no choice reaches ten epochs. 12 a category (144 prompts) with answers of 64: generated in
-    # 144*64/67 = 137.6 s, then 1024/104/2.6 = 3.787 samples/s for 192.4 s: 144 + 728.6 = 872.6
-    # samples, 6.06 epochs; with answers of 128: 144 + 2.344 * 54.9 = 272.7 samples, 1.9 epochs
-    assert (plan.prompts_per_category, plan.prompts, plan.answer_tokens) == (12, 144, 64)
-    assert plan.epochs == pytest.approx(6.06, abs=0.01) and plan.worth_serving
+    # a 2-core first-generation EPYC: plain vLLM 67 tok/s on one core, 94 on two, a trainer step
+    # 4.1 s on one thread; 330 s of training after start-up; 12 categories
+    plan = choose_plan(work(12, 330), Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, {2: 1.6}, source="probe"))
+    # 12 a category (144 prompts), answers of 64 (9.846 samples a step), the replica on both
+    # cores: unshared 144*64/94 = 98.0 s, 1.469/s against the trainer's 2.40/s: busy 61.2%, a
+    # share of 2/2.612 = 0.766, generation 128.0 s; the trainer trains the 80 after its first 64
+    # as they come; those 64 first epochs in 64/3.787 = 16.90 s; later epochs at 6.154/s for
+    # 330 - 128.0 - 16.9 = 185.1 s: 144 + 1138.9 = 1282.9 samples, 8.9 epochs. Nothing reaches
+    # ten (answers of 96: 5.0 epochs), so the most epochs.
+    assert (plan.prompts_per_category, plan.prompts, plan.answer_tokens, plan.replica_threads) == (12, 144, 64, 2)
+    assert plan.trained_samples == 1282 and plan.epochs == pytest.approx(8.91, abs=0.01) and plan.worth_serving
     assert plan.reasons[0].startswith("no choice trains 10 epochs") and "(probe)" in plan.reasons[1]
 
 
 def test_a_box_that_cannot_train_one_epoch_says_so_and_what_to_raise():
-    plan = choose_plan(work(12, 120), Paces({1: 10.0}, {1: 30.0, 2: 20.0}))
-    # 144 prompts x 64 tokens take 921.6 s to generate, longer than the 120 s window: the
-    # trainer trains what arrives, 0.156/s (under its 9.846/30 = 0.33/s): 18.75 samples
+    plan = choose_plan(work(12, 120, cores=1), Paces({1: 10.0}, {1: 30.0}, {1: 20.0}))
+    # one core shared: the trainer, stepping 47.6% of the time, leaves the replica 1/1.476 of it;
+    # 144 prompts x 64 tokens take 1360 s to generate, and the trainer's first 64 alone 605 s:
+    # nothing is trained within the 120 s window
     assert (plan.prompts_per_category, plan.answer_tokens) == (12, 64)
-    assert plan.trained_samples == 18 and plan.epochs == pytest.approx(18.75 / 144, abs=0.001)
-    assert not plan.worth_serving and "raise trainer.time_budget_s" in plan.reasons[-1]
-
-
-def test_four_cores_split_where_the_most_samples_are_trained():
-    paces = Paces({1: 100.0, 2: 180.0, 3: 240.0}, {1: 4.0, 2: 2.2, 3: 1.6, 4: 1.3})
-    plan = choose_plan(work(4, 360, cores=4, max_epochs=100), paces)
-    # 24 a category (96 prompts), answers of 128 (6.095 samples a step, 4.689/s on 4 threads):
-    #   1 replica thread: generated in 122.9 s; 96 + 4.689 * 237.1 = 1207.8
-    #   2: 68.3 s; 96 + 4.689 * 291.7 = 1463.8
-    #   3: 51.2 s, the trainer on one thread trains 6.095/4 = 1.52/s < 1.875/s arriving:
-    #      78.0 + 4.689 * 308.8 = 1525.8 -> three replica threads, 15.9 epochs
-    # 48 a category at its best split (3): 156.1 + 4.689 * 257.6 = 1364 samples, 7.1 epochs
-    assert (plan.prompts_per_category, plan.answer_tokens, plan.replica_threads, plan.trainer_threads) == (24, 128, 3, 1)
-    assert plan.trained_samples == 1525
+    assert plan.trained_samples == 0 and plan.epochs == 0 and not plan.worth_serving
+    assert plan.generation_s == pytest.approx(1360.3, abs=0.1)
+    assert "raise trainer.time_budget_s by more than 1240 s" in plan.reasons[-1]
 
 
 def test_categories_smaller_than_the_cap_count_what_they_have():
     w = Workload({"big": 60, "small": 5}, prompt_tokens=40, batch_tokens=1024, train_window_s=360, cores=2, max_epochs=20)
-    plan = choose_plan(w, Paces({1: 200.0}, {1: 2.0, 2: 1.2}), Choices(prompts_per_category=(48,), answer_tokens=(128,)))
+    plan = choose_plan(w, FAST, Choices(prompts_per_category=(48,), answer_tokens=(128,)))
     assert plan.prompts == 48 + 5
-    # every choice trains max_epochs: 20 epochs of 53 prompts
+    # fewer prompts than the trainer's first 64: it starts once generation ends; max_epochs then caps
     assert plan.trained_samples == 20 * 53 and plan.epochs == 20
 
 
