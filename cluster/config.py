@@ -281,6 +281,10 @@ class BoxPlanConfig:
     # plan leaves out of the training window: the job's start-up (Ray, the store, the engine,
     # the trainer world), on top of the probe's own seconds.
     startup_s: float = ranged(60.0, DELAY)
+    # Seconds the end (calibration, export, the evaluation) may take after training: on a slower
+    # box the sampled and long-context sets are left out, then fewer greedy prompts judged (at
+    # least 8 of each set), at the pace the probe measured. None: the evaluation as configured.
+    end_s: float | None = ranged(120.0, DELAY)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from cluster.config import JobConfig
-from cluster.scaling import Choices, Workload, choose_plan
+from cluster.scaling import Choices, Workload, choose_plan, fit_evaluation
 
 log = logging.getLogger("dspark.job")
 
@@ -83,6 +83,20 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     cfg.inference.cpu_threads = plan.replica_threads
     cfg.trainer.torch_threads = plan.trainer_threads
     cfg.trainer.torch_threads_when_idle = cores
+    evaluation = None
+    if box.end_s and cfg.data.eval_limit:
+        extras = bool(cfg.data.long_context_prompts) or cfg.data.eval_temperature > 0
+        fit = fit_evaluation(paces.gen(cores), box.end_s, cfg.data.eval_limit, extras)
+        evaluation = {"eval_limit": fit.eval_limit, "sampled_and_long_context": fit.extras, "expected_s": fit.expected_s}
+        if (fit.eval_limit, fit.extras) != (cfg.data.eval_limit, extras):
+            log.info("the end evaluation scaled to this box (box_plan.end_s=%g, expected %.0f s): %d prompts of each "
+                     "greedy set%s", box.end_s, fit.expected_s, fit.eval_limit,
+                     "" if fit.extras else ", without the sampled and long-context sets")
+            before.update({"data.eval_limit": cfg.data.eval_limit, "data.long_context_prompts": cfg.data.long_context_prompts,
+                           "data.eval_temperature": cfg.data.eval_temperature})
+            cfg.data.eval_limit = fit.eval_limit
+            if not fit.extras:
+                cfg.data.long_context_prompts, cfg.data.eval_temperature = None, 0.0
     log.info("the plan for this box (%s, %d usable cores%s): %d prompts per category (%d prompts), answers of up to "
              "%d tokens, the replica on %d thread(s) and the trainer on %d while it generates, all %d after; %s",
              cpu.model, cores, f", quota {cpu.quota:g} cores" if cpu.quota else "", plan.prompts_per_category,
@@ -95,4 +109,4 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
                                         "probe_s": round(probe_s, 1)},
             "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
                          "train_window_s": round(window, 1), "usable_cores": cores, "quota_cores": cpu.quota},
-            "replaced": before}
+            "evaluation": evaluation, "replaced": before}

@@ -8,7 +8,7 @@ inference/training ratio is a split of its cores).
 """
 
 from cluster.scaling.autoscaler import AutoscaleLoop
-from cluster.scaling.box_plan import BoxPlan, Choices, Paces, Workload, choose_plan
+from cluster.scaling.box_plan import BoxPlan, Choices, EvaluationFit, Paces, Workload, choose_plan, fit_evaluation
 from cluster.scaling.capacity import drafter_size, group_watermarks, groups_on_nodes, target_config
 from cluster.scaling.capacity import plan as capacity_plan
 from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_topology, cluster_request, describe, place,
@@ -16,7 +16,8 @@ from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_t
                                        trainer_specs)
 from cluster.scaling.policy import Decision, GroupState, ScalingPolicy, best_allocation, pooled_throughput, spread_ranks
 
-__all__ = ["AutoscaleLoop", "BoxPlan", "Choices", "Decision", "Paces", "Workload", "choose_plan", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
+__all__ = ["AutoscaleLoop", "BoxPlan", "Choices", "Decision", "EvaluationFit", "Paces", "Workload", "choose_plan",
+           "fit_evaluation", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
            "best_allocation", "capacity_plan", "check_topology", "cluster_request", "describe", "drafter_size", "group_watermarks", "groups_on_nodes", "place",
            "place_all", "pooled_throughput", "release", "replica_spec", "role_specs", "sort_bundles_by_node",
            "spread_ranks", "target_config", "trainer_specs"]

@@ -169,3 +169,37 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
                        f"of training for one epoch)")
     return BoxPlan(cap, prompts, answer, r, max(work.cores - r, 1), round(generation_s, 1), int(trained),
                    round(epochs, 2), worth, reasons)
+
+
+# The end of the local job on a 2-core Xeon (Ice Lake, fp32) whose probe made 397 tok/s on both
+# cores: 15 s of calibration, export and loads, 39.5 s for the greedy held-out and OOD sets of 16
+# prompts each (decoding and the lossless check), 42.6 s for the sampled and long-context sets.
+# On a slower box each costs in proportion to the probe's pace (measured under a quota of 0.66
+# cores: 213 s in all against 97).
+REFERENCE_GEN_TOK_S, REFERENCE_LIMIT = 397.0, 16
+REFERENCE_END_S = {"fixed": 15.0, "greedy": 39.5, "extras": 42.6}
+
+
+@dataclass(frozen=True)
+class EvaluationFit:
+    eval_limit: int  # prompts of each greedy set
+    extras: bool  # the sampled and long-context sets kept
+    expected_s: float
+
+
+def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, extras: bool, min_limit: int = 8) -> EvaluationFit:
+    """The end evaluation scaled to the machine: within `end_s` at a generation pace of
+    `gen_tok_s` (every core), first without the sampled and long-context sets, then with fewer
+    greedy prompts (not under `min_limit`: fewer would say little). The lossless check stays."""
+    slow = REFERENCE_GEN_TOK_S / gen_tok_s
+
+    def cost(limit: int, with_extras: bool) -> float:
+        r = REFERENCE_END_S
+        return slow * (r["fixed"] + r["greedy"] * limit / REFERENCE_LIMIT + (r["extras"] if with_extras else 0.0))
+
+    if cost(eval_limit, extras) <= end_s:
+        return EvaluationFit(eval_limit, extras, round(cost(eval_limit, extras), 1))
+    limit = eval_limit
+    while limit > min_limit and cost(limit, False) > end_s:
+        limit -= 1
+    return EvaluationFit(limit, False, round(cost(limit, False), 1))
