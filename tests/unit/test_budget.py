@@ -71,10 +71,9 @@ def test_the_planner_keeps_the_epochs_the_measured_pace_trains_by_the_deadline()
 
 def test_an_uneven_pace_keeps_a_margin_of_its_spread():
     """Two planners measure the same 1 sample/s, one in even steps of 1 s, one alternating
-    0.5 s and 1.5 s (a checkpoint every other step). With 20 s left and 16 samples to go, the
-    even one needs 16 s + the last step = 17 s and keeps the epoch; the uneven one adds two
-    standard deviations of a sum of 16 steps (2 * 0.53 * 4 = 4.3 s, the sample deviation of
-    eight 0.5/1.5 s steps being sqrt(2/7)) and drops it."""
+    0.5 s and 1.5 s. With 20 s left and 16 samples to go, the even one needs 16 s + the last
+    step = 17 s and keeps the epoch; the uneven one adds two deviations of a sum of 16 steps
+    (2 * 0.741 * 4 = 5.9 s: every step 0.5 s from the median, times 1.4826) and drops it."""
     clock = Clock()
     even = EpochPlanner(deadline=100.0 + 8 + 20, window=8, slack=0.0, clock=clock)
     uneven = EpochPlanner(deadline=100.0 + 8 + 20, window=8, slack=0.0, clock=Clock())
@@ -88,9 +87,22 @@ def test_an_uneven_pace_keeps_a_margin_of_its_spread():
         uneven.on_step(n, 1, False)
     assert clock.t == uneven.clock.t == 108.0
     assert even.step_seconds() == pytest.approx((1.0, 0.0))
-    assert uneven.step_seconds() == pytest.approx((1.0, (8 * 0.25 / 7) ** 0.5))
+    assert uneven.step_seconds() == pytest.approx((1.0, 1.4826 * 0.5))
     assert even.plan([0, 16], 1).epochs == 2
     assert uneven.plan([0, 16], 1) == Plan(1, 1, 9, pytest.approx(1.0), drop=True)
+
+
+def test_a_checkpoint_in_the_window_is_in_the_mean_not_in_the_margin():
+    """39 steps of 0.5 s and a checkpoint step of 5 s: 0.6125 s a step on average, no spread; 100
+    samples at 1 a step take 61.25 s + the last step, and fit in 62 s."""
+    clock = Clock()
+    planner = EpochPlanner(deadline=100.0 + 24.5 + 62, window=40, slack=0.0, clock=clock)
+    planner.on_step(1, 1, False)
+    for n in range(2, 42):
+        clock.t += 5.0 if n == 21 else 0.5
+        planner.on_step(n, 1, False)
+    assert planner.step_seconds() == pytest.approx((0.6125, 0.0))
+    assert planner.plan([0, 100], 1).epochs == 2 and planner.plan([0, 101], 1).epochs == 1
 
 
 def test_the_pace_is_measured_again_after_a_rollback_or_more_generation():
