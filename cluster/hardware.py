@@ -161,3 +161,24 @@ def one_node_env() -> dict[str, str]:
     the address the host's name resolves to, i.e. on the network, unless told an interface."""
     lo = loopback_interface()
     return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+
+
+def busy_cores(seconds: float = 0.5, stat: str | Path = "/proc/stat") -> float | None:
+    """How many cores' worth of CPU the machine spent over the next `seconds` (every process:
+    this one sleeps meanwhile); None where /proc/stat is unreadable. The load average lags by a
+    minute: this says what runs now."""
+    import time
+
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path(stat).read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = read()
+        time.sleep(seconds)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    spent = total1 - total0
+    return (spent - (idle1 - idle0)) / spent * (os.cpu_count() or 1) if spent > 0 else 0.0

@@ -58,7 +58,7 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
         log.info("box_plan: not applied (%s): the data and threads as configured", unfit)
         return None
     from cluster.data import load_prompts
-    from cluster.hardware import read_cpu
+    from cluster.hardware import busy_cores, read_cpu
     from cluster.inference import read_target
     from cluster.job.machine_paces import probe_paces
 
@@ -72,7 +72,13 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     mean_prompt = prompt_tokens(target, train)
     cpu = read_cpu()
     cores = cpu.usable_cores
+    busy_before = busy_cores()
     paces, probe_s = probe_paces(cfg, target_dir, cores, round(mean_prompt), max(box.answer_tokens))
+    if busy_before is not None and busy_before > 0.5:
+        # what else runs slows the probe: measured, a probe beside the previous job's teardown
+        # read half the paces and chose 12 prompts a category instead of 24
+        log.warning("%.1f of the machine's cores were busy as the box's probe began: its paces may be low, and "
+                    "the plan cautious (another job, or one's teardown, on this machine?)", busy_before)
     window = cfg.trainer.time_budget_s - box.startup_s - (clock() - started)
     work = Workload(dict(per_category), mean_prompt, cfg.trainer.batch_tokens, window, cores, cfg.data.epochs)
     plan = choose_plan(work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs))
@@ -106,7 +112,8 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
                     cfg.trainer.time_budget_s, plan.reasons[-1])
     return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "first_step_s": paces.first_step_s,
                                         "later_step_s": paces.later_step_s, "source": paces.source,
-                                        "probe_s": round(probe_s, 1)},
+                                        "probe_s": round(probe_s, 1),
+                                        "busy_cores_before": None if busy_before is None else round(busy_before, 2)},
             "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
                          "train_window_s": round(window, 1), "usable_cores": cores, "quota_cores": cpu.quota},
             "evaluation": evaluation, "replaced": before}

@@ -118,3 +118,21 @@ def test_a_cgroup_quota_is_read_in_cores_the_tightest_level_wins(tmp_path):
 @pytest.mark.parametrize("affinity, quota, usable", [(None, None, 8), (2, None, 2), (8, 0.66, 1), (2, 1.5, 2), (1, 3.0, 1)])
 def test_usable_cores_are_the_affinity_within_the_quota(affinity, quota, usable):
     assert CpuInfo("x", 8, frozenset(), affinity, quota).usable_cores == usable
+
+
+def test_busy_cores_from_two_readings_of_proc_stat(tmp_path, monkeypatch):
+    import time
+
+    from cluster.hardware import busy_cores
+
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 ...\n")
+
+    def half_a_second_later(_seconds):  # 400 jiffies pass: 150 busy, 250 idle or waiting
+        stat.write_text("cpu  200 0 100 1000 100 0 0 0 0 0\ncpu0 ...\n")
+
+    monkeypatch.setattr(time, "sleep", half_a_second_later)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert busy_cores(0.5, stat) == pytest.approx(150 / 400 * 2)
+    assert busy_cores(0.5, tmp_path / "absent") is None
