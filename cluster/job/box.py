@@ -73,7 +73,8 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     cpu = read_cpu()
     cores = cpu.usable_cores
     busy_before = busy_cores()
-    paces, probe_s = probe_paces(cfg, target_dir, cores, round(mean_prompt), max(box.answer_tokens))
+    quota_binds = cpu.quota is not None and cpu.quota < (cpu.affinity or cpu.cores)
+    paces, probe_s = probe_paces(cfg, target_dir, cores, round(mean_prompt), max(box.answer_tokens), quota_binds)
     if busy_before is not None and busy_before > 0.5:
         # what else runs slows the probe: measured, a probe beside the previous job's teardown
         # read half the paces and chose 12 prompts a category instead of 24

@@ -36,6 +36,11 @@ VLLM_OVER_TRANSFORMERS = 0.85
 # samples from the store, runs DeepSpeed's engine and checkpoints. On that Xeon the local job's
 # later-epoch steps took 0.49 s of wall clock each against the probe's 0.38.
 JOB_STEP_OVER_PROBE = 1.3
+# Under a CPU quota that binds (fewer cores' worth than the affinity gives) every process of the
+# job spends it, Ray's own and the idle engine's too, where on free cores they take the spare
+# ones: under a quota of 0.66 cores the later-epoch steps took 1.87 s against the 1.46 s
+# projected.
+QUOTA_STEP_OVER_FREE = 1.3
 
 
 @contextmanager
@@ -159,14 +164,16 @@ def probe_generation(target_dir, dtype: str, batch: int, threads: list[int], con
     return paces
 
 
-def probe_paces(cfg, target_dir, cores: int, prompt_tokens: int, answer_tokens: int) -> tuple[Paces, float]:
+def probe_paces(cfg, target_dir, cores: int, prompt_tokens: int, answer_tokens: int,
+                quota_binds: bool = False) -> tuple[Paces, float]:
     """The paces at every thread count the plan may choose (replica and trainer 1..cores), and
-    the probe's own seconds."""
+    the probe's own seconds. `quota_binds`: a CPU quota below the cores the affinity gives."""
     t0 = time.perf_counter()
     replica_threads = list(range(1, cores + 1))
     generation = probe_generation(target_dir, cfg.target.dtype, min(cfg.inference.prompt_batch, cfg.target.max_num_seqs),
                                   replica_threads)
     first, later = probe_trainer(cfg, target_dir, prompt_tokens, answer_tokens, list(range(1, cores + 1)))
-    first = {n: s * JOB_STEP_OVER_PROBE for n, s in first.items()}
-    later = {n: s * JOB_STEP_OVER_PROBE for n, s in later.items()}
+    scale = JOB_STEP_OVER_PROBE * (QUOTA_STEP_OVER_FREE if quota_binds else 1.0)
+    first = {n: s * scale for n, s in first.items()}
+    later = {n: s * scale for n, s in later.items()}
     return Paces(generation, first, later, source="probe"), time.perf_counter() - t0

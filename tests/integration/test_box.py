@@ -41,7 +41,7 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
     again = choose_plan(Workload(w["prompts_per_category"], w["prompt_tokens"], cfg.trainer.batch_tokens,
                                  w["train_window_s"], cores, cfg.data.epochs),
                         Paces(paces["generation_tok_s"], paces["first_step_s"], paces["later_step_s"], paces["source"]),
-                        Choices((12, 24, 48), (64, 96, 128), 10.0))
+                        Choices((12, 24, 48), (64, 96, 128), cfg.box_plan.target_epochs))
     assert {k: record[k] for k in again.to_dict() if k not in ("generation_s", "epochs", "reasons")} == \
         {k: v for k, v in again.to_dict().items() if k not in ("generation_s", "epochs", "reasons")}
     # what the job then trains on is the plan's prompts

@@ -11,6 +11,7 @@ import pytest
 from cluster.scaling.box_plan import Choices, Paces, Workload, choose_plan
 
 FAST = Paces({1: 200.0, 2: 300.0}, {1: 2.0, 2: 1.2}, {2: 0.6})
+TEN = Choices(target_epochs=10.0)  # the figures below were worked out for a target of ten epochs
 
 
 def work(categories: int, window_s: float, cores: int = 2, max_epochs: int = 20) -> Workload:
@@ -19,7 +20,7 @@ def work(categories: int, window_s: float, cores: int = 2, max_epochs: int = 20)
 
 
 def test_a_fast_box_keeps_long_answers_and_takes_the_most_prompts_that_reach_ten_epochs():
-    plan = choose_plan(work(4, 200), FAST)
+    plan = choose_plan(work(4, 200), FAST, TEN)
     # 24 a category (96 prompts), answers of 128: a step trains 1024/168 = 6.095 samples.
     # The replica on both cores, the trainer's thread beside it: unshared, answers would arrive
     # at 96/(96*128/300) = 2.344/s against the trainer's 6.095/2.0 = 3.048/s, so it steps 76.9%
@@ -41,7 +42,7 @@ def test_one_replica_thread_where_a_second_buys_less_than_the_trainer_takes():
     # time beside them the replica would get 2/2.538 of them, 165 tok/s. On one thread: 61.44 s of
     # generation, 64 samples' wait (40.96 s), 32 trained by then; the other 64 first epochs in
     # 12.60 s; later epochs for 200 - 61.44 - 12.60 = 125.96 s at 10.16/s: 96 + 1279.6 = 1375.6
-    plan = choose_plan(work(4, 200), Paces({1: 200.0, 2: 210.0}, FAST.first_step_s, FAST.later_step_s))
+    plan = choose_plan(work(4, 200), Paces({1: 200.0, 2: 210.0}, FAST.first_step_s, FAST.later_step_s), TEN)
     assert (plan.prompts_per_category, plan.replica_threads, plan.trainer_threads) == (24, 1, 1)
     assert plan.trained_samples == 1375
 
@@ -49,7 +50,7 @@ def test_one_replica_thread_where_a_second_buys_less_than_the_trainer_takes():
 def test_the_slow_box_of_the_issue_gets_few_prompts_and_short_answers():
     # a 2-core first-generation EPYC: plain vLLM 67 tok/s on one core, 94 on two, a trainer step
     # 4.1 s on one thread; 330 s of training after start-up; 12 categories
-    plan = choose_plan(work(12, 330), Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, {2: 1.6}, source="probe"))
+    plan = choose_plan(work(12, 330), Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, {2: 1.6}, source="probe"), TEN)
     # 12 a category (144 prompts), answers of 64 (9.846 samples a step), the replica on both
     # cores: unshared 144*64/94 = 98.0 s, 1.469/s against the trainer's 2.40/s: busy 61.2%, a
     # share of 2/2.612 = 0.766, generation 128.0 s; the trainer trains the 80 after its first 64
@@ -62,7 +63,7 @@ def test_the_slow_box_of_the_issue_gets_few_prompts_and_short_answers():
 
 
 def test_a_box_that_cannot_train_one_epoch_says_so_and_what_to_raise():
-    plan = choose_plan(work(12, 120, cores=1), Paces({1: 10.0}, {1: 30.0}, {1: 20.0}))
+    plan = choose_plan(work(12, 120, cores=1), Paces({1: 10.0}, {1: 30.0}, {1: 20.0}), TEN)
     # one core shared: the trainer, stepping 47.6% of the time, leaves the replica 1/1.476 of it;
     # 144 prompts x 64 tokens take 1360 s to generate, and the trainer's first 64 alone 605 s:
     # nothing is trained within the 120 s window
@@ -70,6 +71,22 @@ def test_a_box_that_cannot_train_one_epoch_says_so_and_what_to_raise():
     assert plan.trained_samples == 0 and plan.epochs == 0 and not plan.worth_serving
     assert plan.generation_s == pytest.approx(1360.3, abs=0.1)
     assert "raise trainer.time_budget_s by more than 1240 s" in plan.reasons[-1]
+
+
+def test_a_lower_target_takes_more_prompts_at_fewer_epochs():
+    # the fast box above with a target of 6 epochs: 48 a category (4.9 epochs at answers of 128)
+    # still falls short; with answers of 96 (1024/136 = 7.53 samples a step) it reaches 6:
+    # unshared 192*96/300 = 61.4 s, 3.125/s against 7.53/2.0 = 3.76/s:
+    # busy 0.830, share 2/2.830 = 0.7067, generation 86.9 s, 2.209/s; 64 waited for (29.0 s),
+    # 128 trained as they come; after: 64 first epochs at 7.53/1.2 = 6.275/s (10.2 s), later
+    # epochs at 12.55/s for 200 - 86.9 - 10.2 = 102.9 s: 1291.5; 192 + 1291.5 = 1483.5, 7.7
+    # epochs. Answers of 128 first: at 128 only 24 a category reaches 6, at 96 48 does — the
+    # longest answers win: 24 a category, 128 tokens.
+    plan = choose_plan(work(4, 200), FAST, Choices(target_epochs=6.0))
+    assert (plan.prompts_per_category, plan.answer_tokens) == (24, 128)
+    wider = choose_plan(work(4, 200), FAST, Choices(answer_tokens=(64, 96), target_epochs=6.0))
+    assert (wider.prompts_per_category, wider.answer_tokens) == (48, 96)
+    assert abs(wider.trained_samples - 1483) <= 1 and wider.epochs == pytest.approx(7.7, abs=0.05)  # (rounding above)
 
 
 def test_categories_smaller_than_the_cap_count_what_they_have():
