@@ -124,11 +124,11 @@ def test_choices_that_cannot_be_made_are_config_errors(override):
 def test_the_end_evaluation_fits_the_box():
     from cluster.scaling.box_plan import EvaluationFit, fit_evaluation
 
-    # the reference box (397 tok/s): 15 + 39.5 + 42.6 = 97.1 s, everything kept
-    assert fit_evaluation(397.0, 120, 16, True) == EvaluationFit(16, True, 97.1)
-    # 3.08x slower (129 tok/s): 298.8 s with everything, 167.7 s without the extras; then
-    # 3.0775 * (15 + 2.46875 * limit) <= 120 holds up to 9 prompts: 114.5 s
-    assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(9, False, 114.5)
-    # 10x slower: never under 8 prompts, whatever it costs (9.925 * (15 + 19.75) = 344.9 s)
-    assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 344.9)
+    # the reference box (330 tok/s): 15 + 39.5 + 42.6 = 97.1 s, everything kept
+    assert fit_evaluation(330.0, 120, 16, True) == EvaluationFit(16, True, 97.1)
+    # 2.56x slower (129 tok/s): 248.4 s with everything, 139.4 s without the extras; then
+    # 2.558 * (15 + 2.46875 * limit) <= 120 holds up to 12 prompts: 114.2 s
+    assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(12, False, 114.2)
+    # 8.25x slower: never under 8 prompts, whatever it costs (8.25 * (15 + 19.75) = 286.7 s)
+    assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 286.7)
     assert fit_evaluation(129.0, 120, 16, False).extras is False  # none to drop: fewer prompts
