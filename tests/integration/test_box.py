@@ -51,6 +51,7 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
     json.dumps(record)  # result.json carries it as it is
 
 
+@pytest.mark.slow  # a second probe, ~40 s (the default run keeps the suite within its 15 minutes)
 def test_on_one_core_the_plan_sees_one_core(smol_target):
     if not hasattr(__import__("os"), "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
