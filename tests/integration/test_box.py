@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the probe, ~30 s (unit tests judge the choice from injected paces in the default run)
 def test_the_plan_is_probed_chosen_and_applied(smol_target):
     cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=box", "trainer.time_budget_s=300"])
     record = plan_box(cfg, None, time.monotonic())
@@ -51,7 +52,7 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
     json.dumps(record)  # result.json carries it as it is
 
 
-@pytest.mark.slow  # a second probe, ~40 s (the default run keeps the suite within its 15 minutes)
+@pytest.mark.slow  # a second probe, ~40 s
 def test_on_one_core_the_plan_sees_one_core(smol_target):
     if not hasattr(__import__("os"), "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
