@@ -3,9 +3,10 @@ the box's plan (`cluster.scaling.box_plan`).
 
 - **Trainer**: the job's drafter (its config, the target's weights) on synthetic samples of the
   job's shapes (prompt + answer tokens; random hidden states of the target's layers, in its
-  dtype), one full first-epoch step (the target's full-vocabulary normaliser, forward, loss,
-  backward, AdamW) timed at each thread count after one untimed step. DeepSpeed is left out: a
-  world of one adds little to a step, and its set-up would double the probe.
+  dtype): a first-epoch step (the target's full-vocabulary normaliser, forward, loss, backward,
+  AdamW) at each thread count, and a later-epoch step (the normaliser cached) at the last; each
+  after one untimed step, the least disturbed of up to three readings, then scaled to the job's
+  own steps (`JOB_STEP_OVER_PROBE`: store reads, DeepSpeed's engine, checkpoints).
 - **Generation**: the target's decode step in transformers (KV cache, the replica's batch),
   at each replica thread count, scaled by how much faster vLLM's CPU engine decodes than that
   (`VLLM_OVER_TRANSFORMERS`, measured). A probe of vLLM itself would start an engine (tens of
@@ -18,13 +19,10 @@ as it goes, and the time budget's `EpochPlanner` keeps the epochs the real pace 
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import contextmanager
 
 from cluster.scaling import Paces
-
-log = logging.getLogger("dspark.job")
 
 # vLLM's CPU engine tokens/s over this probe's at the same batch (64) and threads, the local
 # target, greedy: on a 2-core Xeon (Ice Lake, family 6 model 106, fp32) `benchmarks/generation.py`'s
