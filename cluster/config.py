@@ -286,9 +286,10 @@ class BoxPlanConfig:
     # the trainer world), on top of the probe's own seconds.
     startup_s: float = ranged(60.0, DELAY)
     # Seconds the end (calibration, export, the evaluation) may take after training: on a slower
-    # box the sampled and long-context sets are left out, then fewer greedy prompts judged (at
-    # least 8 of each set), at the pace the probe measured. None: the evaluation as configured.
-    end_s: float | None = ranged(120.0, DELAY)
+    # box fewer greedy prompts are judged (down to 12 of each set), then the sampled and
+    # long-context sets are left out and fewer greedy prompts again (at least 8), at the pace the
+    # probe measured. None: the evaluation as configured.
+    end_s: float | None = ranged(90.0, DELAY)
 
 
 @dataclass
@@ -368,13 +369,13 @@ def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:
     on). `target.dtype: auto` and `trainer.precision: auto`: bf16 on GPUs and on CPUs that
     compute in bf16 natively, fp32 on other CPUs (where bf16 is emulated and slower than fp32).
     CPU jobs: `inference.cpu_threads` and `trainer.torch_threads_when_idle` left unset become
-    the machine's cores. `cpu`: a `CpuInfo` (tests)."""
+    the cores this process may use (its affinity, within its CPU quota). `cpu`: a `CpuInfo` (tests)."""
     from cluster.hardware import read_cpu
 
     cpu = cpu or read_cpu()
     if cfg.device == "cpu":
-        cfg.inference.cpu_threads = cfg.inference.cpu_threads or cpu.cores
-        cfg.trainer.torch_threads_when_idle = cfg.trainer.torch_threads_when_idle or cpu.cores
+        cfg.inference.cpu_threads = cfg.inference.cpu_threads or cpu.usable_cores
+        cfg.trainer.torch_threads_when_idle = cfg.trainer.torch_threads_when_idle or cpu.usable_cores
     if "auto" not in (cfg.target.dtype, cfg.trainer.precision):
         return cfg
     bf16 = cfg.device == "cuda" or cpu.native_bf16

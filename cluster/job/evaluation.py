@@ -77,16 +77,17 @@ def evaluate(job, drafter: str) -> Evaluation:
             result = evaluate_served(job, drafter, Path(spec["prompts"]), spec["limit"], spec["temperature"])
             Path(spec["json"]).write_text(json.dumps(result, indent=2))
     else:
-        # Every core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this subprocess
-        # would inherit (one thread made the local job's evaluation ~1.8x slower), and the
-        # producers and the trainer are done. On CPU it runs the target as a replica does,
+        # Every usable core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this
+        # subprocess would inherit (one thread made the local job's evaluation ~1.8x slower), and
+        # the producers and the trainer are done. Usable, not present: under a CPU quota or an
+        # affinity mask, more threads than that spin against each other. On CPU it runs the target as a replica does,
         # with its environment (the local job's evaluation took 65 s instead of 74 s with the
         # preloaded libraries on a 2-core AMD EPYC).
         env = {**os.environ, **(cpu_engine_env(job) or {})}
         plan_file = job.run_dir / "eval_plan.json"
         plan_file.write_text(json.dumps(list(plan.values()), indent=2))
         cmd = [sys.executable, "-m", "dspark.evaluate", "--target", job.target_path, "--drafter", drafter,
-               "--plan", str(plan_file), "--threads", str(read_cpu().cores)]
+               "--plan", str(plan_file), "--threads", str(read_cpu().usable_cores)]
         if job.cfg.target.trust_remote_code:  # the config's consent; the drafter's config.json gives none
             cmd.append("--trust-remote-code")
         subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=job.cfg.data.eval_timeout_s * len(plan))

@@ -188,19 +188,20 @@ class EvaluationFit:
     expected_s: float
 
 
-def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, extras: bool, min_limit: int = 8) -> EvaluationFit:
+def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, extras: bool, min_limit: int = 8,
+                   extras_min_limit: int = 12) -> EvaluationFit:
     """The end evaluation scaled to the machine: within `end_s` at a generation pace of
-    `gen_tok_s` (every core), first without the sampled and long-context sets, then with fewer
-    greedy prompts (not under `min_limit`: fewer would say little). The lossless check stays."""
+    `gen_tok_s` (every core), first with fewer greedy prompts down to `extras_min_limit` and the
+    sampled and long-context sets kept (they are what no greedy prompt measures), then without
+    them and fewer greedy prompts again, not under `min_limit` (fewer would say little). The
+    lossless check stays."""
     slow = REFERENCE_GEN_TOK_S / gen_tok_s
 
     def cost(limit: int, with_extras: bool) -> float:
         r = REFERENCE_END_S
         return slow * (r["fixed"] + r["greedy"] * limit / REFERENCE_LIMIT + (r["extras"] if with_extras else 0.0))
 
-    if cost(eval_limit, extras) <= end_s:
-        return EvaluationFit(eval_limit, extras, round(cost(eval_limit, extras), 1))
-    limit = eval_limit
-    while limit > min_limit and cost(limit, False) > end_s:
-        limit -= 1
-    return EvaluationFit(limit, False, round(cost(limit, False), 1))
+    tries = ([(n, True) for n in range(eval_limit, min(extras_min_limit, eval_limit) - 1, -1)] if extras else []) + \
+        [(n, False) for n in range(eval_limit, min(min_limit, eval_limit) - 1, -1)]
+    limit, kept = next(((n, x) for n, x in tries if cost(n, x) <= end_s), tries[-1])
+    return EvaluationFit(limit, kept, round(cost(limit, kept), 1))

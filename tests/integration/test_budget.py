@@ -9,7 +9,9 @@ import pytest
 
 from tests.integration.test_faults import N, start_job
 
-pytestmark = pytest.mark.integration
+# Slow (47 s on a 2-core Xeon; the suite's 15 minutes): the planner's arithmetic is in
+# tests/unit/test_budget.py, and the local job's time budget is exercised by every local run.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Start-up (placement, the store, DeepSpeed's world) took 12 s on a 2-core Xeon and 30 s on one
 # in a slow hour, where 36 s left no room to measure a pace: 48 leaves it, and 8 epochs (~80 s)
 # still do not fit.

@@ -185,7 +185,9 @@ def largest_change(after: dict[str, torch.Tensor], before: dict[str, torch.Tenso
     return max((after[k] - before[k]).abs().max().item() for k in after if after[k].is_floating_point())
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])  # 1: what the local two-group job runs
+# 2: the production recipe's stage, in the default run; 1 (what the local two-group job runs,
+# which test_groups runs in the default run) and 3 in the slow set (the suite's 15 minutes)
+@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster, tiny_target, world_data, tmp_path):
     """2 ranks × their own samples give the drafter that 1 × all the samples gives, step after
     step, although rank 1 holds ~3x the slots of rank 0, and in a step where rank 0 has nothing

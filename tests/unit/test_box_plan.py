@@ -126,9 +126,16 @@ def test_the_end_evaluation_fits_the_box():
 
     # the reference box (330 tok/s): 15 + 39.5 + 42.6 = 97.1 s, everything kept
     assert fit_evaluation(330.0, 120, 16, True) == EvaluationFit(16, True, 97.1)
-    # 2.56x slower (129 tok/s): 248.4 s with everything, 139.4 s without the extras; then
-    # 2.558 * (15 + 2.46875 * limit) <= 120 holds up to 12 prompts: 114.2 s
+    # within 90 s on it: fewer greedy prompts first, the sampled and long-context sets kept:
+    # 15 + 2.46875 * limit + 42.6 <= 90 holds up to 13 prompts: 89.7 s
+    assert fit_evaluation(330.0, 90, 16, True) == EvaluationFit(13, True, 89.7)
+    # 2.56x slower (129 tok/s): 12 prompts with the extras cost 2.558 * 87.2 = 223.2 s > 120;
+    # without them 2.558 * (15 + 2.46875 * limit) <= 120 holds up to 12 prompts: 114.2 s
     assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(12, False, 114.2)
+    # and within 90 s: 8 prompts, 2.558 * 34.75 = 88.9 s
+    assert fit_evaluation(129.0, 90, 16, True) == EvaluationFit(8, False, 88.9)
     # 8.25x slower: never under 8 prompts, whatever it costs (8.25 * (15 + 19.75) = 286.7 s)
     assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 286.7)
     assert fit_evaluation(129.0, 120, 16, False).extras is False  # none to drop: fewer prompts
+    # a configured limit under the floors is kept, not raised
+    assert fit_evaluation(40.0, 90, 6, True) == EvaluationFit(6, False, round(8.25 * (15 + 39.5 * 6 / 16), 1))

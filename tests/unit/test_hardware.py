@@ -53,13 +53,17 @@ def test_explicit_dtypes_are_kept_and_checked():
 
 
 def test_cpu_threads_from_the_machine():
-    """Unset, a CPU replica's engine and an idle-producer trainer rank get the machine's cores;
-    set, they keep what was asked; a GPU job leaves them alone."""
+    """Unset, a CPU replica's engine and an idle-producer trainer rank get the cores the job may
+    use (all 8; 3 under a quota of 2.6 cores); set, they keep what was asked; a GPU job leaves
+    them alone."""
     eight = CpuInfo("test", 8, frozenset({"avx2"}))
     cfg = load_config(ROOT / "configs" / "local.yaml", ["inference.cpu_threads=null", "trainer.torch_threads_when_idle=null"])
     cfg.inference.cpu_threads = cfg.trainer.torch_threads_when_idle = None  # as read, before resolution
     resolve_for_machine(cfg, eight)
     assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (8, 8)
+    cfg.inference.cpu_threads = cfg.trainer.torch_threads_when_idle = None
+    resolve_for_machine(cfg, CpuInfo("test", 8, frozenset({"avx2"}), None, 2.6))
+    assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (3, 3)
     cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle = 3, 1
     resolve_for_machine(cfg, eight)
     assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (3, 1)
