@@ -22,12 +22,18 @@ The model of a run, for each choice (U prompts, answers of L tokens, r replica t
 trainer on t = max(cores - r, 1) beside it; measured against two runs of the local job on a
 2-core Xeon, where the first model, which knew neither the trainer's wait for its first samples
 nor the cheaper later epochs, chose 12 prompts a category and lost 0.07 τ against 24):
-    share        min(1, cores / (r + t·busy)): what each gets of its threads while both run, busy
-                 being the share of its time the trainer steps (it waits for answers otherwise)
-    generation   G = U·L / (gen_tok_s[r]·share)      (greedy answers: epoch 0 only, reused later)
+    busy         the share of its time the trainer steps while the replica generates (it waits
+                 for answers otherwise), at the pace answers would arrive unshared
+    shares       what each gets of its own pace while both run: r + t <= cores, all of it; one
+                 replica thread time-sliced with the trainer (one core), min(1, cores/(r + t·busy))
+                 each; a replica team of r >= 2 threads beside a trainer on more threads than the
+                 cores left it (2 + 1 on 2 cores), the replica 1 - TEAM_LOSS·busy and the trainer
+                 all of its own (measured: OpenMP's team waits on its preempted thread, spinning,
+                 and the trainer runs meanwhile)
+    generation   G = U·L / (gen_tok_s[r]·replica_share)   (greedy answers: epoch 0 only, reused)
     per step     S = batch_tokens / (prompt_tokens + L) samples
     while G      the trainer waits for its first `first_samples` (the draft vocabulary is counted
-                 on them), then trains what arrives: min(U/G, S·share/first_step_s[t]) samples/s
+                 on them), then trains what arrives: min(U/G, S·trainer_share/first_step_s[t])/s
     after G      the rest of epoch 0 at S/first_step_s[cores] samples/s (a sample's first epoch
                  computes the target's full-vocabulary normaliser), the later epochs at
                  S/later_step_s[cores] (the normaliser cached), to the end of the window
@@ -105,6 +111,27 @@ class BoxPlan:
         return asdict(self)
 
 
+# What a replica's OpenMP team of 2 threads kept of its pace beside a 1-thread trainer stepping
+# without pause on 2 cores, all at Ray's worker niceness: 0.35 and 0.34 (86 and 89 tok/s against
+# 246-260 alone; the trainer kept its own pace, 0.97 s a step against 1.04 alone), where the
+# proportional share would be 2/3; the same replica on 1 thread beside it kept 0.88-1.01
+# (benchmarks/generation.py, 2-core Xeon, Ice Lake). Busy a fifth of the time (the local job's
+# trainer while its replica generates), the team kept ~all of it.
+TEAM_LOSS = 0.65
+
+
+def shares(cores: int, replica_threads: int, trainer_threads: int, busy: float) -> tuple[float, float]:
+    """(the replica's, the trainer's) share of its own pace while both run; `busy`: the share of
+    its time the trainer steps. See the module's model."""
+    r, t = replica_threads, trainer_threads
+    if r + t <= cores:
+        return 1.0, 1.0
+    if r == 1:  # single threads time-sliced
+        share = min(1.0, cores / (r + t * busy))
+        return share, share
+    return 1.0 - TEAM_LOSS * busy, 1.0
+
+
 def expected(work: Workload, paces: Paces, cap: int, answer: int, replica_threads: int) -> tuple[int, float, float]:
     """(unique prompts, generation seconds, trained samples) of one choice, by the module's model."""
     prompts = sum(min(cap, n) for n in work.prompts_per_category.values())
@@ -113,12 +140,12 @@ def expected(work: Workload, paces: Paces, cap: int, answer: int, replica_thread
     # the trainer takes its threads only while it steps: the share of its time it does, at the
     # pace answers would arrive without it
     busy = min(1.0, prompts / (prompts * answer / paces.gen(r)) / (per_step / paces.first(t)))
-    share = min(1.0, cores / (r + t * busy))
-    generation_s = prompts * answer / (paces.gen(r) * share)
+    replica_share, trainer_share = shares(cores, r, t, busy)
+    generation_s = prompts * answer / (paces.gen(r) * replica_share)
     arrival = prompts / generation_s
     window = work.train_window_s
     waited = min(work.first_samples, prompts) / arrival  # until the trainer's first step
-    during = min(arrival, per_step * share / paces.first(t)) * max(0.0, min(generation_s, window) - waited)
+    during = min(arrival, per_step * trainer_share / paces.first(t)) * max(0.0, min(generation_s, window) - waited)
     if generation_s >= window:
         return prompts, generation_s, min(during, prompts)
     left = window - generation_s
