@@ -281,9 +281,10 @@ class BoxPlanConfig:
     # OOD τ 1.375 / 1.352) still beat 12 at 15 (1.336 / 1.322), and 48 at 4 fell to 1.325 / 1.338
     # on the Zen 4: between 4 and 8.
     target_epochs: float = ranged(6.0, POSITIVE)
-    # The budget's seconds before the first sample is trained and after training ends that the
-    # plan leaves out of the training window: the job's start-up (Ray, the store, the engine,
-    # the trainer world), on top of the probe's own seconds.
+    # The budget's seconds before the first sample is trained that the plan leaves out of the
+    # training window: the job's start-up (Ray, the store, the engine, the trainer world), on
+    # top of the probe's own seconds, at the reference pace (a 2-core Xeon's 330 tok/s); in
+    # proportion on a slower box (`box_plan.startup_seconds`).
     startup_s: float = ranged(60.0, DELAY)
     # Seconds the end (calibration, export, the evaluation) may take after training: on a slower
     # box fewer greedy prompts are judged (down to 12 of each set), then the sampled and

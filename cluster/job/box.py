@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from cluster.config import JobConfig
-from cluster.scaling import Choices, Workload, choose_plan, fit_evaluation
+from cluster.scaling import Choices, Workload, choose_plan, fit_evaluation, startup_seconds
 
 log = logging.getLogger("dspark.job")
 
@@ -80,7 +80,8 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
         # read half the paces and chose 12 prompts a category instead of 24
         log.warning("%.1f of the machine's cores were busy as the box's probe began: its paces may be low, and "
                     "the plan cautious (another job, or one's teardown, on this machine?)", busy_before)
-    window = cfg.trainer.time_budget_s - box.startup_s - (clock() - started)
+    startup = startup_seconds(box.startup_s, paces.gen(cores))
+    window = cfg.trainer.time_budget_s - startup - (clock() - started)
     work = Workload(dict(per_category), mean_prompt, cfg.trainer.batch_tokens, window, cores, cfg.data.epochs)
     plan = choose_plan(work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs))
     before = {"data.max_prompts_per_category": cfg.data.max_prompts_per_category, "sampling.max_tokens": cfg.sampling.max_tokens,
@@ -116,5 +117,6 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
                                         "probe_s": round(probe_s, 1),
                                         "busy_cores_before": None if busy_before is None else round(busy_before, 2)},
             "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
-                         "train_window_s": round(window, 1), "usable_cores": cores, "quota_cores": cpu.quota},
+                         "train_window_s": round(window, 1), "startup_s": round(startup, 1), "usable_cores": cores,
+                         "quota_cores": cpu.quota},
             "evaluation": evaluation, "replaced": before}

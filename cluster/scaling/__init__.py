@@ -8,7 +8,8 @@ inference/training ratio is a split of its cores).
 """
 
 from cluster.scaling.autoscaler import AutoscaleLoop
-from cluster.scaling.box_plan import BoxPlan, Choices, EvaluationFit, Paces, Workload, choose_plan, fit_evaluation
+from cluster.scaling.box_plan import (BoxPlan, Choices, EvaluationFit, Paces, Workload, choose_plan, fit_evaluation,
+                                      startup_seconds)
 from cluster.scaling.capacity import drafter_size, group_watermarks, groups_on_nodes, target_config
 from cluster.scaling.capacity import plan as capacity_plan
 from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_topology, cluster_request, describe, place,
@@ -17,7 +18,7 @@ from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_t
 from cluster.scaling.policy import Decision, GroupState, ScalingPolicy, best_allocation, pooled_throughput, spread_ranks
 
 __all__ = ["AutoscaleLoop", "BoxPlan", "Choices", "Decision", "EvaluationFit", "Paces", "Workload", "choose_plan",
-           "fit_evaluation", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
+           "fit_evaluation", "startup_seconds", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
            "best_allocation", "capacity_plan", "check_topology", "cluster_request", "describe", "drafter_size", "group_watermarks", "groups_on_nodes", "place",
            "place_all", "pooled_throughput", "release", "replica_spec", "role_specs", "sort_bundles_by_node",
            "spread_ranks", "target_config", "trainer_specs"]

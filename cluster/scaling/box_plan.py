@@ -208,6 +208,14 @@ REFERENCE_GEN_TOK_S, REFERENCE_LIMIT = 330.0, 16
 REFERENCE_END_S = {"fixed": 15.0, "greedy": 39.5, "extras": 42.6}
 
 
+def startup_seconds(startup_s: float, gen_tok_s: float) -> float:
+    """The job's start-up (the store, the engine, the trainer world: imports, weights, DeepSpeed)
+    on this machine: `startup_s` at the reference pace, in proportion on a slower box (it is CPU
+    work too: under a quota of 0.66 of a core the trainer's first step came 2.3-4.8 min after
+    the store, against about a minute at full speed), never less."""
+    return startup_s * max(1.0, REFERENCE_GEN_TOK_S / gen_tok_s)
+
+
 @dataclass(frozen=True)
 class EvaluationFit:
     eval_limit: int  # prompts of each greedy set

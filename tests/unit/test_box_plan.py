@@ -157,3 +157,12 @@ def test_the_end_evaluation_fits_the_box():
     assert fit_evaluation(129.0, 120, 16, False).extras is False  # none to drop: fewer prompts
     # a configured limit under the floors is kept, not raised
     assert fit_evaluation(40.0, 90, 6, True) == EvaluationFit(6, False, round(8.25 * (15 + 39.5 * 6 / 16), 1))
+
+
+def test_start_up_takes_longer_on_a_slower_box():
+    from cluster.scaling import startup_seconds
+
+    # the reference pace (330 tok/s) or faster: as configured; 129 tok/s (a 0.66-core quota's
+    # probe): 330/129 = 2.558 times as long
+    assert startup_seconds(60.0, 330.0) == 60.0 and startup_seconds(60.0, 400.0) == 60.0
+    assert startup_seconds(60.0, 129.0) == pytest.approx(153.5, abs=0.05)
