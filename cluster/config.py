@@ -291,6 +291,10 @@ class BoxPlanConfig:
     # long-context sets are left out and fewer greedy prompts again (at least 8), at the pace the
     # probe measured. None: the evaluation as configured.
     end_s: float | None = ranged(90.0, DELAY)
+    # Seconds a probe's paces stand for later runs on the same machine and config shapes
+    # (`cluster.job.kept_paces`, in $DSPARK_CACHE): a run within them plans from the kept paces
+    # instead of probing (20-30 s of the budget). 0: probe every run.
+    keep_paces_s: float = ranged(21600.0, DELAY)
 
 
 @dataclass

@@ -3,7 +3,9 @@ placed, and apply it to the config (`box_plan.enabled`).
 
 Reads what the plan needs (the training prompts per category before any cap, their mean length
 in the target's chat template, the cores this process may use: affinity and quota), probes the
-paces (`cluster.job.machine_paces`), asks the pure `cluster.scaling.box_plan.choose_plan`, then
+paces (`cluster.job.machine_paces`; or takes those a probe of this machine measured for the same
+shapes within `box_plan.keep_paces_s`: `cluster.job.kept_paces`), asks the pure
+`cluster.scaling.box_plan.choose_plan`, then
 sets `data.max_prompts_per_category`, `sampling.max_tokens`, `inference.cpu_threads` and
 `trainer.torch_threads`. Returns what result.json records as `plan`.
 """
@@ -48,6 +50,27 @@ def box_unfit(cfg: JobConfig) -> str | None:
     return None
 
 
+def probe_or_kept(cfg: JobConfig, cpu, target_dir, prompt_tokens: int, answer_tokens: int, quota_binds: bool):
+    """(paces, the probe's seconds, when it probed: None for a probe now): kept ones where this
+    machine was probed within `box_plan.keep_paces_s` for the same shapes, else a probe (kept)."""
+    from dspark.targets import cache_root
+
+    from cluster.job.kept_paces import keep_paces, kept_paces, paces_key
+    from cluster.job.machine_paces import probe_paces
+
+    path, key = cache_root() / "box_paces.json", paces_key(cfg, cpu, target_dir, prompt_tokens, answer_tokens)
+    kept = kept_paces(path, key, cfg.box_plan.keep_paces_s, time.time())
+    if kept:
+        paces, _, probed_at = kept
+        log.info("box_plan: the paces probed on this machine %.0f min ago (%s; box_plan.keep_paces_s=%g): no probe",
+                 (time.time() - probed_at) / 60, path, cfg.box_plan.keep_paces_s)
+        return paces, 0.0, probed_at
+    paces, probe_s = probe_paces(cfg, target_dir, cpu.usable_cores, prompt_tokens, answer_tokens, quota_binds)
+    if cfg.box_plan.keep_paces_s:
+        keep_paces(path, key, paces, probe_s, time.time())
+    return paces, probe_s, None
+
+
 def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=time.monotonic) -> dict | None:
     """The plan for this box, applied to `cfg` (None: `box_plan` is off). `started`: the job's
     start on `clock`, from which the time budget counts."""
@@ -60,7 +83,6 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     from cluster.data import load_prompts
     from cluster.hardware import busy_cores, read_cpu
     from cluster.inference import read_target
-    from cluster.job.machine_paces import probe_paces
 
     box = cfg.box_plan
     uncapped = copy.deepcopy(cfg)
@@ -74,8 +96,8 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     cores = cpu.usable_cores
     busy_before = busy_cores()
     quota_binds = cpu.quota is not None and cpu.quota < (cpu.affinity or cpu.cores)
-    paces, probe_s = probe_paces(cfg, target_dir, cores, round(mean_prompt), max(box.answer_tokens), quota_binds)
-    if busy_before is not None and busy_before > 0.5:
+    paces, probe_s, probed_at = probe_or_kept(cfg, cpu, target_dir, round(mean_prompt), max(box.answer_tokens), quota_binds)
+    if probed_at is None and busy_before is not None and busy_before > 0.5:
         # what else runs slows the probe: measured, a probe beside the previous job's teardown
         # read half the paces and chose 12 prompts a category instead of 24
         log.warning("%.1f of the machine's cores were busy as the box's probe began: its paces may be low, and "
@@ -115,6 +137,7 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "first_step_s": paces.first_step_s,
                                         "later_step_s": paces.later_step_s, "source": paces.source,
                                         "probe_s": round(probe_s, 1),
+                                        "probed_at": None if probed_at is None else round(probed_at, 1),
                                         "busy_cores_before": None if busy_before is None else round(busy_before, 2)},
             "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
                          "train_window_s": round(window, 1), "startup_s": round(startup, 1), "usable_cores": cores,

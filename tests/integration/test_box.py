@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow  # the probe, ~30 s (unit tests judge the choice from injected paces in the default run)
 def test_the_plan_is_probed_chosen_and_applied(smol_target):
-    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=box", "trainer.time_budget_s=300"])
+    # a probe now, not paces kept from an earlier run on this machine
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=box", "trainer.time_budget_s=300", "box_plan.keep_paces_s=0"])
     record = plan_box(cfg, None, time.monotonic())
     assert cfg.data.max_prompts_per_category == record["prompts_per_category"] in (12, 24, 48)
     assert cfg.sampling.max_tokens == record["answer_tokens"] in (64, 96, 128)
@@ -59,7 +60,7 @@ def test_on_one_core_the_plan_sees_one_core(smol_target):
     if not hasattr(__import__("os"), "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
     code = ("import json, time; from cluster.config import load_config; from cluster.job import plan_box; "
-            "cfg = load_config('configs/local.yaml', ['run_name=box1', 'trainer.time_budget_s=300']); "
+            "cfg = load_config('configs/local.yaml', ['run_name=box1', 'trainer.time_budget_s=300', 'box_plan.keep_paces_s=0']); "
             "r = plan_box(cfg, None, time.monotonic()); "
             "print(json.dumps({'w': r['workload'], 'p': r['paces'], 'r': r['replica_threads'], 't': r['trainer_threads'],"
             " 'idle': cfg.trainer.torch_threads_when_idle}))")

@@ -3,7 +3,7 @@
 node order, every node used exactly once, one trainer world of 16 ranks, and the capacity plan;
 the single-node split on one simulated 8-GPU node, with its capacity plan; an impossible topology
 names what is missing; both GPU configs name the public checkpoint they train for. The 12-node
-plan is `slow`."""
+plan and the impossible topology's exit are `slow`."""
 
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def test_gpu_configs_name_the_checkpoint_they_plan_for(config, name):
     assert f"{name}'s config.json" in plan_copy["_comment"], plan_copy["_comment"]
 
 
+@pytest.mark.slow  # 16 s; the message itself: tests/unit/test_config_placement.py (the suite's 15 minutes)
 def test_impossible_topology_names_the_missing_resource():
     out = plan("3x4")  # 12 nodes wanted
     assert out.returncode == 2
