@@ -142,21 +142,24 @@ def test_choices_that_cannot_be_made_are_config_errors(override):
 def test_the_end_evaluation_fits_the_box():
     from cluster.scaling.box_plan import EvaluationFit, fit_evaluation
 
-    # the reference box (330 tok/s): 15 + 39.5 + 42.6 = 97.1 s, everything kept
-    assert fit_evaluation(330.0, 120, 16, True) == EvaluationFit(16, True, 97.1)
-    # within 90 s on it: fewer greedy prompts first, the sampled and long-context sets kept:
-    # 15 + 2.46875 * limit + 42.6 <= 90 holds up to 13 prompts: 89.7 s
-    assert fit_evaluation(330.0, 90, 16, True) == EvaluationFit(13, True, 89.7)
-    # 2.56x slower (129 tok/s): 12 prompts with the extras cost 2.558 * 87.2 = 223.2 s > 120;
-    # without them 2.558 * (15 + 2.46875 * limit) <= 120 holds up to 12 prompts: 114.2 s
-    assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(12, False, 114.2)
-    # and within 90 s: 8 prompts, 2.558 * 34.75 = 88.9 s
-    assert fit_evaluation(129.0, 90, 16, True) == EvaluationFit(8, False, 88.9)
-    # 8.25x slower: never under 8 prompts, whatever it costs (8.25 * (15 + 19.75) = 286.7 s)
-    assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 286.7)
+    # the reference box (330 tok/s): 15 + 42 + 56 = 113 s, everything kept within 120
+    assert fit_evaluation(330.0, 120, 16, True) == EvaluationFit(16, True, 113.0)
+    # within 90 s: the sampled and long-context sets do not fit even beside 12 greedy prompts
+    # (15 + 31.5 + 56 = 102.5 s), so without them, all 16: 57 s
+    assert fit_evaluation(330.0, 90, 16, True) == EvaluationFit(16, False, 57.0)
+    # a faster box (400 tok/s, 0.825 of the time): with the extras 16 prompts take 93.2 s, 15
+    # 91.1 s, 14 0.825 * (15 + 36.75 + 56) = 88.9 s: fewer greedy prompts first, the extras kept
+    assert fit_evaluation(400.0, 90, 16, True) == EvaluationFit(14, True, 88.9)
+    # 2.56x slower (129 tok/s): without the extras 2.558 * (15 + 2.625 * limit) <= 120 holds up
+    # to 12 prompts: 119.0 s
+    assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(12, False, 119.0)
+    # and within 90 s: not under 8 prompts, whatever it costs: 2.558 * 36 = 92.1 s
+    assert fit_evaluation(129.0, 90, 16, True) == EvaluationFit(8, False, 92.1)
+    # 8.25x slower: 8.25 * (15 + 21) = 297 s
+    assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 297.0)
     assert fit_evaluation(129.0, 120, 16, False).extras is False  # none to drop: fewer prompts
-    # a configured limit under the floors is kept, not raised
-    assert fit_evaluation(40.0, 90, 6, True) == EvaluationFit(6, False, round(8.25 * (15 + 39.5 * 6 / 16), 1))
+    # a configured limit under the floors is kept, not raised: 8.25 * (15 + 42 * 6 / 16) = 253.7 s
+    assert fit_evaluation(40.0, 90, 6, True) == EvaluationFit(6, False, 253.7)
 
 
 def test_start_up_takes_longer_on_a_slower_box():
