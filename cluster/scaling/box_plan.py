@@ -115,8 +115,9 @@ class BoxPlan:
 # without pause on 2 cores, all at Ray's worker niceness: 0.35 and 0.34 (86 and 89 tok/s against
 # 246-260 alone; the trainer kept its own pace, 0.97 s a step against 1.04 alone), where the
 # proportional share would be 2/3; the same replica on 1 thread beside it kept 0.88-1.01
-# (benchmarks/generation.py, 2-core Xeon, Ice Lake). Busy a fifth of the time (the local job's
-# trainer while its replica generates), the team kept ~all of it.
+# (benchmarks/generation.py, 2-core Xeon, Ice Lake). In the local job there (its trainer stepping
+# about half the time while the replica generated), the team's rate fell from 269-290 tok/s
+# before the trainer's first step to 206-240 over the whole generation, where this says 0.67.
 TEAM_LOSS = 0.65
 
 
