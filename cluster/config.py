@@ -287,8 +287,8 @@ class BoxPlanConfig:
     # proportion on a slower box (`box_plan.startup_seconds`).
     startup_s: float = ranged(60.0, DELAY)
     # Seconds the end (calibration, export, the evaluation) may take after training: on a slower
-    # box fewer greedy prompts are judged (down to 12 of each set), then the sampled and
-    # long-context sets are left out and fewer greedy prompts again (at least 8), at the pace the
+    # box fewer greedy prompts are judged (down to 12 of each set), then the long-context set is
+    # left out, then the sampled one, and fewer greedy prompts again (at least 8), at the pace the
     # probe measured. None: the evaluation as configured.
     end_s: float | None = ranged(90.0, DELAY)
     # Seconds a probe's paces stand for later runs on the same machine and config shapes

@@ -115,18 +115,23 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     cfg.trainer.torch_threads_when_idle = cores
     evaluation = None
     if box.end_s and cfg.data.eval_limit:
-        extras = bool(cfg.data.long_context_prompts) or cfg.data.eval_temperature > 0
-        fit = fit_evaluation(paces.gen(cores), box.end_s, cfg.data.eval_limit, extras)
-        evaluation = {"eval_limit": fit.eval_limit, "sampled_and_long_context": fit.extras, "expected_s": fit.expected_s}
-        if (fit.eval_limit, fit.extras) != (cfg.data.eval_limit, extras):
+        sampled, long_context = cfg.data.eval_temperature > 0, bool(cfg.data.long_context_prompts)
+        fit = fit_evaluation(paces.gen(cores), box.end_s, cfg.data.eval_limit, sampled, long_context)
+        evaluation = {"eval_limit": fit.eval_limit, "sampled": fit.sampled, "long_context": fit.long_context,
+                      "expected_s": fit.expected_s}
+        if (fit.eval_limit, fit.sampled, fit.long_context) != (cfg.data.eval_limit, sampled, long_context):
+            left_out = [name for name, asked, kept in (("sampled", sampled, fit.sampled),
+                                                       ("long-context", long_context, fit.long_context)) if asked and not kept]
             log.info("the end evaluation scaled to this box (box_plan.end_s=%g, expected %.0f s): %d prompts of each "
                      "greedy set%s", box.end_s, fit.expected_s, fit.eval_limit,
-                     "" if fit.extras else ", without the sampled and long-context sets")
+                     f", without the {' and '.join(left_out)} set{'s' if len(left_out) > 1 else ''}" if left_out else "")
             before.update({"data.eval_limit": cfg.data.eval_limit, "data.long_context_prompts": cfg.data.long_context_prompts,
                            "data.eval_temperature": cfg.data.eval_temperature})
             cfg.data.eval_limit = fit.eval_limit
-            if not fit.extras:
-                cfg.data.long_context_prompts, cfg.data.eval_temperature = None, 0.0
+            if not fit.long_context:
+                cfg.data.long_context_prompts = None
+            if not fit.sampled:
+                cfg.data.eval_temperature = 0.0
     log.info("the plan for this box (%s, %d usable cores%s): %d prompts per category (%d prompts), answers of up to "
              "%d tokens, the replica on %d thread(s) and the trainer on %d while it generates, all %d after; %s",
              cpu.model, cores, f", quota {cpu.quota:g} cores" if cpu.quota else "", plan.prompts_per_category,

@@ -203,12 +203,12 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
 # The end of the local job on a 2-core Xeon (Ice Lake, fp32), each part scaled to the pace of
 # 330 tok/s by the probe's reading in its run (280-400 tok/s at full speed): 13-18 s of
 # calibration, export and loads ("fixed"); the greedy held-out and OOD sets (decoding and the
-# lossless check) 38-57 s per 16 prompts each, 42 the middle of five runs; the sampled and
-# long-context sets 43-70 s, 56 the middle of three (each capped in decoding by its own budget,
-# the long-context check not: 15-18 s of it). Under a quota of 0.66 cores the greedy sets took
+# lossless check) 38-57 s per 16 prompts each, 42 the middle of five runs; the sampled set
+# 23-28 s (25; its decoding capped by its budget), the long-context set 33-42 s (35; its
+# decoding capped, its lossless check not: 15-19 s of it), in three runs. Under a quota of 0.66 cores the greedy sets took
 # what the probe's pace says (43 per 16 at the reference pace).
 REFERENCE_GEN_TOK_S, REFERENCE_LIMIT = 330.0, 16
-REFERENCE_END_S = {"fixed": 15.0, "greedy": 42.0, "extras": 56.0}
+REFERENCE_END_S = {"fixed": 15.0, "greedy": 42.0, "sampled": 25.0, "long_context": 35.0}
 
 
 def startup_seconds(startup_s: float, gen_tok_s: float) -> float:
@@ -222,24 +222,32 @@ def startup_seconds(startup_s: float, gen_tok_s: float) -> float:
 @dataclass(frozen=True)
 class EvaluationFit:
     eval_limit: int  # prompts of each greedy set
-    extras: bool  # the sampled and long-context sets kept
+    sampled: bool  # the held-out set sampled with the served recipe kept
+    long_context: bool  # the long-context set kept
     expected_s: float
 
 
-def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, extras: bool, min_limit: int = 8,
-                   extras_min_limit: int = 12) -> EvaluationFit:
+def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, sampled: bool, long_context: bool,
+                   min_limit: int = 8, extras_min_limit: int = 12) -> EvaluationFit:
     """The end evaluation scaled to the machine: within `end_s` at a generation pace of
     `gen_tok_s` (every core), first with fewer greedy prompts down to `extras_min_limit` and the
     sampled and long-context sets kept (they are what no greedy prompt measures), then without
-    them and fewer greedy prompts again, not under `min_limit` (fewer would say little). The
+    the long-context set (the costlier, its check uncapped), then without the sampled one too
+    and fewer greedy prompts again, not under `min_limit` (fewer would say little). The
     lossless check stays."""
     slow = REFERENCE_GEN_TOK_S / gen_tok_s
+    r = REFERENCE_END_S
 
-    def cost(limit: int, with_extras: bool) -> float:
-        r = REFERENCE_END_S
-        return slow * (r["fixed"] + r["greedy"] * limit / REFERENCE_LIMIT + (r["extras"] if with_extras else 0.0))
+    def cost(limit: int, with_sampled: bool, with_long: bool) -> float:
+        return slow * (r["fixed"] + r["greedy"] * limit / REFERENCE_LIMIT + r["sampled"] * with_sampled
+                       + r["long_context"] * with_long)
 
-    tries = ([(n, True) for n in range(eval_limit, min(extras_min_limit, eval_limit) - 1, -1)] if extras else []) + \
-        [(n, False) for n in range(eval_limit, min(min_limit, eval_limit) - 1, -1)]
-    limit, kept = next(((n, x) for n, x in tries if cost(n, x) <= end_s), tries[-1])
-    return EvaluationFit(limit, kept, round(cost(limit, kept), 1))
+    def down_to(floor: int) -> range:
+        return range(eval_limit, min(floor, eval_limit) - 1, -1)
+
+    tries = [(n, sampled, long_context) for n in down_to(extras_min_limit)] if sampled or long_context else []
+    if sampled and long_context:
+        tries += [(n, True, False) for n in down_to(extras_min_limit)]
+    tries += [(n, False, False) for n in down_to(min_limit)]
+    limit, with_sampled, with_long = next((t for t in tries if cost(*t) <= end_s), tries[-1])
+    return EvaluationFit(limit, with_sampled, with_long, round(cost(limit, with_sampled, with_long), 1))

@@ -142,24 +142,29 @@ def test_choices_that_cannot_be_made_are_config_errors(override):
 def test_the_end_evaluation_fits_the_box():
     from cluster.scaling.box_plan import EvaluationFit, fit_evaluation
 
-    # the reference box (330 tok/s): 15 + 42 + 56 = 113 s, everything kept within 120
-    assert fit_evaluation(330.0, 120, 16, True) == EvaluationFit(16, True, 113.0)
-    # within 90 s: the sampled and long-context sets do not fit even beside 12 greedy prompts
-    # (15 + 31.5 + 56 = 102.5 s), so without them, all 16: 57 s
-    assert fit_evaluation(330.0, 90, 16, True) == EvaluationFit(16, False, 57.0)
-    # a faster box (400 tok/s, 0.825 of the time): with the extras 16 prompts take 93.2 s, 15
-    # 91.1 s, 14 0.825 * (15 + 36.75 + 56) = 88.9 s: fewer greedy prompts first, the extras kept
-    assert fit_evaluation(400.0, 90, 16, True) == EvaluationFit(14, True, 88.9)
-    # 2.56x slower (129 tok/s): without the extras 2.558 * (15 + 2.625 * limit) <= 120 holds up
-    # to 12 prompts: 119.0 s
-    assert fit_evaluation(129.0, 120, 16, True) == EvaluationFit(12, False, 119.0)
+    # the reference box (330 tok/s): 15 + 42 + 25 + 35 = 117 s, everything kept within 120
+    assert fit_evaluation(330.0, 120, 16, True, True) == EvaluationFit(16, True, True, 117.0)
+    # within 90 s: both extras do not fit even beside 12 greedy prompts (15 + 31.5 + 60 = 106.5 s);
+    # without the long-context set all 16 do, with the sampled one: 15 + 42 + 25 = 82 s
+    assert fit_evaluation(330.0, 90, 16, True, True) == EvaluationFit(16, True, False, 82.0)
+    # a faster box (420 tok/s, 0.7857 of the time): both extras with 16 prompts take 91.9 s, with
+    # 15 0.7857 * (15 + 39.375 + 60) = 89.9 s: fewer greedy prompts first, both extras kept
+    assert fit_evaluation(420.0, 90, 16, True, True) == EvaluationFit(15, True, True, 89.9)
+    # this Xeon's slower readings (290 tok/s, x1.138): the sampled set with 16 prompts 93.3 s, 15
+    # 90.3 s, 14 1.138 * (15 + 36.75 + 25) = 87.3 s
+    assert fit_evaluation(290.0, 90, 16, True, True) == EvaluationFit(14, True, False, 87.3)
+    # only the long-context set asked for: 15 + 39.375 + 35 = 89.4 s with 15 prompts
+    assert fit_evaluation(330.0, 90, 16, False, True) == EvaluationFit(15, False, True, 89.4)
+    # 2.56x slower (129 tok/s): the sampled set beside 12 prompts 2.558 * 71.5 = 182.9 s; without
+    # the extras 2.558 * (15 + 2.625 * limit) <= 120 holds up to 12 prompts: 119.0 s
+    assert fit_evaluation(129.0, 120, 16, True, True) == EvaluationFit(12, False, False, 119.0)
     # and within 90 s: not under 8 prompts, whatever it costs: 2.558 * 36 = 92.1 s
-    assert fit_evaluation(129.0, 90, 16, True) == EvaluationFit(8, False, 92.1)
+    assert fit_evaluation(129.0, 90, 16, True, True) == EvaluationFit(8, False, False, 92.1)
     # 8.25x slower: 8.25 * (15 + 21) = 297 s
-    assert fit_evaluation(40.0, 120, 16, True) == EvaluationFit(8, False, 297.0)
-    assert fit_evaluation(129.0, 120, 16, False).extras is False  # none to drop: fewer prompts
+    assert fit_evaluation(40.0, 120, 16, True, True) == EvaluationFit(8, False, False, 297.0)
+    assert fit_evaluation(129.0, 120, 16, False, False).sampled is False  # none to drop: fewer prompts
     # a configured limit under the floors is kept, not raised: 8.25 * (15 + 42 * 6 / 16) = 253.7 s
-    assert fit_evaluation(40.0, 90, 6, True) == EvaluationFit(6, False, 253.7)
+    assert fit_evaluation(40.0, 90, 6, True, True) == EvaluationFit(6, False, False, 253.7)
 
 
 def test_start_up_takes_longer_on_a_slower_box():
