@@ -11,7 +11,12 @@ frozen target's logits (the L1 term's label) and the drafter's forward. Each var
 same batches:
 - `full`: the target's full-vocabulary logits at every step (the first version);
 - `cached`: every sample's target log-normaliser kept after its first step, so later steps
-  (the sample's later epochs) compute the target's logits on the draft vocabulary only.
+  (the sample's later epochs) compute the target's logits on the draft vocabulary only;
+- `first`: every timed step a first-epoch step as the job's trainer takes it (normalisers
+  cached, but of samples never seen): the target head by blocks of vocabulary rows
+  (`DSparkDrafter.norm_chunk_columns`), the draft columns kept as each block passes;
+- `first-one`: the same steps with the target head as one full-vocabulary product (the
+  baseline of `first`).
 Prints the CPU, then per variant and thread count: seconds per step, tokens/s, and the parts.
 """
 
@@ -73,6 +78,8 @@ def run_variant(cfg, target, samples, variant: str, threads: int, steps: int) ->
                                     num_aux_layers=cfg.target.num_aux_layers)
     torch.manual_seed(0)
     model = DSparkDrafter(dcfg)
+    if variant == "first-one":
+        model.norm_chunk_columns = 0
     model.load_target_weights(target)
     vocab = vocab_mapping_from([(s.token_ids, s.loss_mask) for s in samples], dcfg.target_vocab_size,
                                dcfg.draft_vocab_size, [])
@@ -81,14 +88,16 @@ def run_variant(cfg, target, samples, variant: str, threads: int, steps: int) ->
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, 1))
     objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
                                  autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
-                                 cache_normalizers=variant == "cached")
+                                 cache_normalizers=variant != "full")
     batches = list(token_budget_batches(samples, t.batch_tokens))
     dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
     keys = {id(s): f"s{i}" for i, s in enumerate(samples)}
 
-    def step(i: int) -> None:
+    def step(i: int, timed: bool = False) -> None:
         group = batches[i % len(batches)]
-        batch = objective.pack(group, dtype=dtype, keys=[keys[id(s)] for s in group])
+        # `first*`: keys no earlier step saw, so every position's normaliser is computed again
+        fresh = f"/{i}" if timed and variant.startswith("first") else ""
+        batch = objective.pack(group, dtype=dtype, keys=[keys[id(s)] + fresh for s in group])
         loss, _ = objective(batch, module=engine)
         engine.backward(loss)
         engine.step()
@@ -98,7 +107,7 @@ def run_variant(cfg, target, samples, variant: str, threads: int, steps: int) ->
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
-            step(i)
+            step(i, timed=True)
     dt = (time.perf_counter() - t0) / steps
     parts = {e.key: e.cpu_time_total / 1e6 / steps for e in prof.key_averages() if e.key.startswith("dspark.")}
     tokens = sum(sum(s.num_tokens for s in batches[i % len(batches)]) for i in range(steps)) / steps
@@ -110,7 +119,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--variants", default="full,cached")
+    ap.add_argument("--variants", default="full,cached,first-one,first")
     ap.add_argument("--work", default=str(ROOT / "outputs" / "bench_trainer_step"))
     args = ap.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
@@ -127,9 +136,9 @@ def main() -> None:
     rows = [run_variant(cfg, target, samples, v, int(n), args.steps)
             for n in args.threads.split(",") for v in args.variants.split(",")]
     labels = sorted({k for r in rows for k in r if k.startswith("dspark.")})
-    print(f"\n{'variant':8} {'threads':>7} {'s/step':>7} {'tok/s':>7} " + " ".join(f"{k[7:]:>15}" for k in labels))
+    print(f"\n{'variant':9} {'threads':>7} {'s/step':>7} {'tok/s':>7} " + " ".join(f"{k[7:]:>15}" for k in labels))
     for r in rows:
-        print(f"{r['variant']:8} {r['threads']:7d} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} "
+        print(f"{r['variant']:9} {r['threads']:7d} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} "
               + " ".join(f"{r.get(k, 0.0):14.3f}s" for k in labels))
 
 

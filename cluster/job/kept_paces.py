@@ -26,7 +26,8 @@ from cluster.scaling import Paces
 
 log = logging.getLogger("dspark.job")
 
-PROBE_VERSION = 1
+# 2: the first-epoch step computes the target normaliser by blocks (dspark.model), ~18% shorter
+PROBE_VERSION = 2
 
 
 def paces_key(cfg, cpu, target_dir, prompt_tokens: int, answer_tokens: int) -> dict:

@@ -9,7 +9,6 @@ import torch
 
 from dspark.losses import LossWeights, drafter_loss, expected_calibration_error, loss_counts, position_weights
 from dspark.model import BlockOutputs
-from dspark.samples import PackedBatch
 
 
 def naive_loss(out: BlockOutputs, shift: int, w: LossWeights, d2t_ids):
@@ -152,12 +151,18 @@ def test_cached_target_normalizers_give_the_same_loss(tiny_target, monkeypatch):
     cached = DrafterObjective(drafter, LossWeights(), 6, seed=3, cache_normalizers=True)
     full_rows = []
     real = drafter.verifier_logits
+    real_with_norm = drafter.verifier_draft_logits_and_norm
 
     def counting(h, draft_columns=False):
         full_rows.append(0 if draft_columns else h.shape[0])
         return real(h, draft_columns)
 
+    def counting_with_norm(h):
+        full_rows.append(h.shape[0])
+        return real_with_norm(h)
+
     monkeypatch.setattr(drafter, "verifier_logits", counting)
+    monkeypatch.setattr(drafter, "verifier_draft_logits_and_norm", counting_with_norm)
     for step in range(4):
         known = torch.cat([cached.normalizers.get(k, torch.full((n,), float("nan"))) for k, n in zip(keys, sizes)])
         mine = replace(batch, target_log_norm=known, sample_keys=keys)
@@ -176,3 +181,29 @@ def test_cached_target_normalizers_give_the_same_loss(tiny_target, monkeypatch):
         seen = ~torch.isnan(row)
         assert seen.any()
         torch.testing.assert_close(row[seen], full[batch.doc_ids == d][seen], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("columns", [1000, 4096, 0])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_blockwise_normaliser_is_the_one_products(tiny_target, columns, softcap):
+    """The target head run block by block (an online logsumexp, the draft columns kept as each
+    block passes) gives the draft columns and the log-normaliser of the one full-vocabulary
+    product: blocks that do not divide the vocabulary, a soft-capped target, draft ids in no
+    particular order; 0 is the one product itself."""
+    from tests.helpers import make_drafter
+
+    drafter = make_drafter(tiny_target, draft_vocab_size=3000)
+    drafter.config.target_logit_softcap = softcap
+    drafter.norm_chunk_columns = columns
+    assert drafter.config.target_vocab_size % 1000 != 0  # the last block is a partial one
+    with torch.no_grad():  # draft ids out of order: the draft columns must follow the ids, not the blocks
+        perm = torch.randperm(drafter.d2t.numel(), generator=torch.Generator().manual_seed(1))
+        ids = drafter.draft_to_target_ids()[perm]
+        drafter.d2t.copy_(ids - torch.arange(ids.numel()))
+    h = torch.randn(37, drafter.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+    got_cols, got_norm = drafter.verifier_draft_logits_and_norm(h)
+    full = drafter.verifier_norm(h.float()) @ drafter.verifier_lm_head.weight.float().t()
+    if softcap:
+        full = softcap * torch.tanh(full / softcap)
+    torch.testing.assert_close(got_cols, full[:, ids])
+    torch.testing.assert_close(got_norm, torch.logsumexp(full.double(), -1).float())
