@@ -58,7 +58,10 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
                     + json.dumps({"id": "lc1", "prompt": filler + " Summarise the log above.", "category": "doc"}) + "\n")
     cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL,
                                                          "data.eval_temperature=0.7", "data.eval_sampled_limit=2",
-                                                         f"data.long_context_prompts={long}", "data.long_context_max_new_tokens=8"])
+                                                         f"data.long_context_prompts={long}", "data.long_context_max_new_tokens=8",
+                                                         # both long prompts whatever the hour's pace: at 20 s a slow hour of
+                                                         # a 2-core AMD EPYC (Zen 4) left the second out for time (the fit: test_decoder_training)
+                                                         "data.long_context_budget_s=120"])
     result = TrainingJob(cfg).run()
     # The job's series, first: Ray drops a gauge ~25 s after it was last set (measured on Ray
     # 2.60), and the job set them last as it ended.
