@@ -265,10 +265,15 @@ class DSparkDrafter(nn.Module):
         """The frozen target's logits, in float32 even under autocast: they are the label.
         `draft_columns`: only the draft vocabulary's (the draft head holds the target head's rows)."""
         w = self.lm_head.weight if draft_columns else self.verifier_lm_head.weight
-        cap = self.config.target_logit_softcap
         with torch.autocast(last_hidden.device.type, enabled=False):
-            logits = self.verifier_norm(last_hidden.float()) @ w.float().t()
-            return cap * torch.tanh(logits / cap) if cap else logits
+            return self._target_head(self.verifier_norm(last_hidden.float()), w)
+
+    def _target_head(self, normed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the target head's vocabulary rows `w` for final-normed states,
+        soft-capped where the target caps them (callers disable autocast)."""
+        logits = normed @ w.float().t()
+        cap = self.config.target_logit_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def verifier_draft_logits_and_norm(self, last_hidden: torch.Tensor):
         """The target's logits on the draft vocabulary's columns `[rows, V_draft]` and each row's
@@ -278,14 +283,13 @@ class DSparkDrafter(nn.Module):
         kept as it passes. Why: at the local job's shapes (a few hundred rows, 49,152 columns,
         576 wide) the one product writes ~60-120 MB, fresh pages each step, that the logsumexp
         then reads twice. On a 2-core AMD EPYC (Zen 4, bf16 weights, this head in fp32;
-        `benchmarks/trainer_step.py`) a
-        first-epoch step's target head took 0.24-0.26 s instead of 0.32-0.37 s on 2 threads and
-        0.37-0.43 s instead of 0.60-0.65 s on one; the step 0.61-0.70 s instead of 0.68-0.77 s
-        and 0.96-1.10 s instead of 1.19-1.31 s. The same sums in another order: equal to rounding.
+        `benchmarks/trainer_step.py`) a first-epoch step's target head took 0.24-0.26 s instead
+        of 0.32-0.37 s on 2 threads and 0.37-0.43 s instead of 0.60-0.65 s on one; the step
+        0.61-0.70 s instead of 0.68-0.77 s and 0.96-1.10 s instead of 1.19-1.31 s. The same sums
+        in another order: equal to rounding.
         `norm_chunk_columns` 0: the one product (the baseline the benchmark compares with)."""
         cols = self.norm_chunk_columns or self.config.target_vocab_size
         w = self.verifier_lm_head.weight
-        cap = self.config.target_logit_softcap
         ids = self.draft_to_target_ids()
         # Draft ids in target order with their draft columns, so each block finds its own by
         # bisection (d2t maps to increasing ids in every format we write; this does not rely on it).
@@ -299,9 +303,7 @@ class DSparkDrafter(nn.Module):
         with torch.autocast(last_hidden.device.type, enabled=False):
             x = self.verifier_norm(last_hidden.float())
             for i, start in enumerate(starts):
-                block = x @ w[start:start + cols].float().t()
-                if cap:
-                    block = cap * torch.tanh(block / cap)
+                block = self._target_head(x, w[start:start + cols])
                 new_max = torch.maximum(run_max, block.amax(-1))
                 run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(block - new_max[:, None]).sum(-1)
                 run_max = new_max
