@@ -90,7 +90,7 @@ def main() -> None:
             best = max(best, tokens / dt)
             if name == "Mooncake connector":
                 for o in out:
-                    holder.remove(o.ref["key"])
+                    holder.remove(o.ref.key)
         rows.append((name, tokens, best))
         ray.kill(actor)
     print(f"\nextraction of {len(convs)} conversations ({rows[0][1]} prompt tokens), layers {layer_ids}, best of {args.repeats}")

@@ -16,7 +16,7 @@ and the environment knobs a replica can be given: `threads=N` (the engine's Open
 threads; Ray gives an actor `OMP_NUM_THREADS=<its CPUs>`), `iomp` (Intel OpenMP preloaded, as
 vLLM's CPU guide asks), `tcmalloc` (likewise its allocator), and `trainer=N`: while the variant
 is timed, a trainer process steps beside it on N threads (the local job's drafter, first-epoch
-steps of its shapes, its preloads and OpenMP settings: `cluster.job.machine_paces.probe_trainer`
+steps of its shapes, its preloads and OpenMP settings: `cluster.box.machine_paces.probe_trainer`
 in a loop), as the local job's rank does while its replica generates. Every variant is compared
 with plain vLLM at the same knobs, a `trainer` variant also with itself alone. Prints the CPU (model, cores, flags), then generated tokens/s per
 variant and its ratio to plain vLLM at the same batch and knobs (`plain iomp` is the baseline
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def prompts(n: int) -> list[dict]:
-    from cluster.config import load_config
+    from cluster.config_load import load_config
     from cluster.data import load_prompts
 
     train, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml"))
@@ -47,8 +47,8 @@ def prompts(n: int) -> list[dict]:
 TRAINER_LOOP = """
 import sys
 sys.path.insert(0, {root!r})
-from cluster.config import load_config
-from cluster.job.machine_paces import probe_trainer
+from cluster.config_load import load_config
+from cluster.box import probe_trainer
 from dspark.targets import prepare_smollm2
 cfg, target = load_config({config!r}), prepare_smollm2()
 print(probe_trainer(cfg, target, 58, 128, [{threads}], repeats=1)[0][{threads}], flush=True)  # before the replica's timed run
@@ -94,7 +94,8 @@ def main() -> None:
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray
 
-    from cluster.config import load_config, resolve_for_machine
+    from cluster.config import resolve_for_machine
+    from cluster.config_load import load_config
     from cluster.hardware import preload_libraries, read_cpu
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.store import MooncakeMaster
@@ -157,7 +158,7 @@ def main() -> None:
                     generated += sum(len(o.response_ids) for o in out)
                     for o in out:
                         if o.ref:
-                            holder.remove(o.ref["key"])
+                            holder.remove(o.ref.key)
                 dt = time.perf_counter() - t0
                 trainer = ""
                 if beside is not None:

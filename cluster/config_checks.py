@@ -1,18 +1,19 @@
 """What a config may hold beyond its types: ranges, choices, names, and its fit to the target.
 
-`validate` runs on every loaded config (`load_config`); `check_against_target` once the
+`validate` runs on every loaded config (`cluster.config_load.load_config`); `check_against_target` once the
 target's own config is read. Errors name the key, as `ConfigError`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 
-from omegaconf import OmegaConf
 
-from cluster.config import ConfigError, JobConfig
-from cluster.config_fields import AT_LEAST_1, CHOICES, RANGE, declared
+from cluster.config import JobConfig
+from cluster.config_fields import AT_LEAST_1, CHOICES, RANGE, declared_values
+from cluster.errors import ConfigError
 
 PRELOADABLE = ("tcmalloc", "iomp")  # inference.preload, trainer.preload (cluster/hardware.py)
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")  # `org/name` as hubs spell it
@@ -20,7 +21,7 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # one path compone
 
 
 def check_box_plan(cfg: JobConfig) -> None:
-    """`box_plan`: choices that can be made (where the plan applies: `cluster.job.box`)."""
+    """`box_plan`: choices that can be made (where the plan applies: `cluster.box.box_unfit`)."""
     box = cfg.box_plan
     if not box.enabled:
         return
@@ -33,15 +34,24 @@ def check_box_plan(cfg: JobConfig) -> None:
                           f"prompt in target.max_model_len={cfg.target.max_model_len}")
 
 
+TESTING_ENV = "DSPARK_TESTING"  # "1": the project's test suite, where `testing:` hooks are allowed
+
+
+def check_testing(cfg: JobConfig, environ=os.environ) -> None:
+    """`testing:` hooks (faults, a slower trainer) only where asked for: `testing.enabled` or
+    DSPARK_TESTING=1 (the test suite). A user's run never injects faults by a stray key."""
+    hooks = cfg.testing.hooks_set()
+    if hooks and not (cfg.testing.enabled or environ.get(TESTING_ENV) == "1"):
+        raise ConfigError(f"config error at `testing.{hooks[0]}`: a test hook (it injects faults or slows the trainer); "
+                          f"set testing.enabled=true to use it outside the project's tests")
+
+
 def validate(cfg: JobConfig) -> None:
     """Everything that can be checked without the target: choices, ranges, names, topology."""
-    node = OmegaConf.structured(cfg)
-    for key, allowed in declared(JobConfig, CHOICES):
-        value = OmegaConf.select(node, key)
+    for key, allowed, value in declared_values(cfg, CHOICES):
         if value not in allowed:
             raise ConfigError(f"config error at `{key}`: {value!r} is not one of {allowed}")
-    for key, allowed_range in declared(JobConfig, RANGE):
-        value = OmegaConf.select(node, key)
+    for key, allowed_range, value in declared_values(cfg, RANGE):
         # NaN compares false with any bound, and `.inf` passes a bound on one side only
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"config error at `{key}`: {value!r} is not a finite number (must be {allowed_range})")
@@ -52,6 +62,7 @@ def validate(cfg: JobConfig) -> None:
         if not AT_LEAST_1.holds(cap):
             raise ConfigError(f"config error at `data.category_caps.{category}`: {cap!r} is out of range (must be {AT_LEAST_1})")
     check_box_plan(cfg)
+    check_testing(cfg)
     if not RUN_NAME.match(cfg.run_name) or ".." in cfg.run_name:
         raise ConfigError(f"config error at `run_name`: {cfg.run_name!r} must be one folder name "
                           "(letters, digits, '.', '_', '-'; no '..', no '/')")

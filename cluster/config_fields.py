@@ -52,6 +52,24 @@ def choice(default, allowed: tuple):
     return field(default=default, metadata={CHOICES: allowed})
 
 
+def declared_values(obj, kind: str, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, what it allows, value) for every field of the config `obj` that declares
+    `kind`, its sections' and those of every section in a list (`topology.groups.1.min_replicas`,
+    as an override names it), in declaration order."""
+    out = []
+    for f in fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if kind in f.metadata:
+            out.append((key, f.metadata[kind], value))
+        if is_dataclass(value):
+            out.extend(declared_values(value, kind, f"{key}."))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                if is_dataclass(item):
+                    out.extend(declared_values(item, kind, f"{key}.{i}."))
+    return out
+
+
 def declared(cls, kind: str, prefix: str = "") -> list[tuple[str, object]]:
     """(dotted key, what it allows) for every field of `cls` and of its dataclass sections that
     declares `kind` (RANGE or CHOICES), in declaration order."""

@@ -33,7 +33,12 @@ class Stop:
 
 
 class JobStopped(Exception):
-    """A stop arrived while the job was starting: what was placed is released, nothing trained."""
+    """A stop arrived outside the training loop's steps (start-up, the first answers' wait, a
+    trainer restart, the end): the job ends after the `phase` it was in, with result.json."""
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
 
 
 class ControlChannel:
@@ -49,9 +54,9 @@ class ControlChannel:
         self._q.put(request)
 
     def raise_if_stopped(self, phase: str) -> None:
-        """Between the start-up's phases: a stop sent meanwhile ends the start here."""
+        """Between phases, and inside a long wait: a stop sent meanwhile ends the job here."""
         if self.stop_sent is not None:
-            raise JobStopped(f"stopped during start-up, before {phase}: {self.stop_sent.reason}")
+            raise JobStopped(f"stopped during {phase}: {self.stop_sent.reason}", phase)
 
     def take(self) -> tuple[ResizeTrainer | None, Stop | None]:
         """Everything sent since the last call, folded: the merged resize (later requests

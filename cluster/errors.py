@@ -2,9 +2,15 @@
 
 A Ray error's text is the remote traceback; its last line is the dependency's own message
 (`ValueError: prompt of 5000 tokens ...`). An exception with no text is named by its type.
+A mistake in the config is a `ConfigError` whose message names the key to change (the schema
+in `cluster.config`, its checks in `cluster.config_checks`, both raise it).
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    pass
 
 
 def cause_of(error: BaseException, limit: int = 400) -> str:

@@ -229,3 +229,53 @@ def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: fl
                           f"processes here) and the job starts its own Ray; or set RAY_ADDRESS=host:port to a running "
                           f"head") from None
     return head
+
+
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's one-machine switch (ENVIRONMENT.md)
+RAY_INIT_TIMEOUT_S = 120.0  # joining a live head takes seconds; Ray's own wait never ends
+
+
+def keep_ray_on_loopback(head: RayHead | None, environ=os.environ) -> None:
+    """A job that starts its own Ray, or joins a head on loopback (scripts/run_local.sh's): Ray's
+    one-machine switch, as that head was started with. Without it Ray turns 127.0.0.1 into the
+    machine's address, where a loopback head does not listen, and `ray.init` waits without end
+    printing "Failed to connect to GCS at address <host>:6379"."""
+    host = head.address.rpartition(":")[0].strip("[]") if head is not None else None
+    if head is None or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        environ.setdefault(LOOPBACK_SWITCH, "0")
+
+
+def join_ray(init, head: RayHead | None, stop_sent, timeout_s: float = RAY_INIT_TIMEOUT_S, poll_s: float = 0.5) -> None:
+    """`init()` (ray.init) within `timeout_s`, answering a stop meanwhile: it runs in a daemon
+    thread while this one waits. ConfigError naming the address and what to do past the
+    deadline; `stop_sent()` truthy (a SIGTERM's Stop) ends the wait with JobStopped. Either way the
+    caller exits the process (the thread may still be inside Ray)."""
+    import threading
+
+    from cluster.control import JobStopped
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            init()
+            outcome["done"] = True
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="ray-init")
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        thread.join(poll_s)
+        stop = stop_sent()
+        if stop is not None and thread.is_alive():
+            raise JobStopped(f"stopped while joining Ray: {stop.reason}", "start-up (joining Ray)")
+        if time.monotonic() > deadline and thread.is_alive():
+            where = head.address if head is not None else "a Ray of its own"
+            raise ConfigError(f"ray.init did not connect to {where} within {timeout_s:g} s. A head started on loopback "
+                              f"needs {LOOPBACK_SWITCH}=0 in every process that joins it (the job sets it where the "
+                              f"head's address is 127.0.0.1); check the head with `ray status`, or run with "
+                              f"RAY_ADDRESS=local (the job starts its own Ray)")
+    if "error" in outcome:
+        raise outcome["error"]

@@ -34,11 +34,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import sys
 import textwrap
 from pathlib import Path
 
-from .tau_report import fmt
+
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    """`tau_report.fmt`, imported when a card is written (it pulls in torch; `--serve` need not)."""
+    from .tau_report import fmt as tau_fmt
+
+    return tau_fmt(x, spec)
 
 # method -> (draft_sample_method, rejection_sample_method, why). `dflash` is the backbone-only
 # export that vLLM's CPU build can execute (V1 runner): no block verification there, draft
@@ -64,10 +71,13 @@ def speculative_config(drafter_config: dict, model: str, method: str | None = No
     `rejection_sample_method`: `RECIPES[method]` (see the module docstring for why).
     """
     k = drafter_config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]  # what the exporter wrote
+    _count(k, "speculators_config.proposal_methods[0].speculative_tokens")
     method = method or drafter_config["speculators_model_type"]
     if method not in RECIPES:
         raise ValueError(f"no serving recipe for method {method!r} (known: {sorted(RECIPES)})")
     block = drafter_config.get("block_size")
+    if block is not None:
+        _count(block, "block_size")
     if block is not None and k > block:
         raise ValueError(f"the checkpoint claims {k} speculative tokens from a block of {block}")
     draft, rejection, _ = RECIPES[method]
@@ -79,60 +89,130 @@ def recipe_reason(drafter_config: dict, method: str | None = None) -> str:
     """Why the recipe samples and verifies as it does, for `serve.sh` and the model card."""
     method = method or drafter_config["speculators_model_type"]
     draft, rejection, why = RECIPES[method]
-    target_vocab = drafter_config["transformer_layer_config"]["vocab_size"]
-    vd = drafter_config.get("draft_vocab_size") or target_vocab
+    target_vocab = _count(drafter_config["transformer_layer_config"]["vocab_size"],
+                          "transformer_layer_config.vocab_size")
+    vd = _count(drafter_config.get("draft_vocab_size") or target_vocab, "draft_vocab_size")
     vocab = (f"draft vocabulary {vd} of the target's {target_vocab}" if vd < target_vocab
              else "draft vocabulary = the target's")
     return f"{draft} drafting + {rejection} rejection ({vocab}): {why}"
 
 
+def _count(value, key: str) -> int:
+    """A positive integer from config.json (it is printed into the recipe)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{key}` in config.json must be a positive integer, not {value!r}")
+    return value
+
+
+VERIFIER_KEY = "speculators_config.verifier.name_or_path"
+# A model id (`org/name`, or a bare legacy `name`): letters, digits, `._-`, not starting with `-`.
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?")
+# A path, absolute or relative: word characters (any script), spaces and `./-_+=,:@%~`; no
+# control characters and no shell syntax (`$`, backquotes, quotes, `;|&<>()`...), not an option.
+_PATH = re.compile(r"(?!-)[\w .,+=:@%~/-]+")
+
+
+def model_name(value, key: str = VERIFIER_KEY) -> str:
+    """`value` if it is a model id or a path, else ValueError naming `key` in config.json.
+
+    The name goes into a command line (`serve.sh`, the model card), and a downloaded drafter's
+    config.json is a stranger's text: quoting keeps it one argument, this keeps it a model name."""
+    if isinstance(value, str) and value.strip() and (_MODEL_ID.fullmatch(value) or _PATH.fullmatch(value)):
+        return value
+    raise ValueError(f"`{key}` in config.json is {value!r}: not a model id (`org/name`: letters, digits, `._-`) "
+                     "nor a path without control characters or shell syntax; refusing to put it in a command line")
+
+
 def verifier(drafter_config: dict) -> str:
-    return drafter_config["speculators_config"]["verifier"]["name_or_path"]
+    """The target the drafter was trained against, as config.json names it (validated)."""
+    return model_name(drafter_config["speculators_config"]["verifier"]["name_or_path"])
 
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
-def target_arguments(drafter_config: dict) -> list[str]:
+def target_arguments(drafter_config: dict, drafter: str | Path) -> list[str]:
     """`vllm serve` arguments that make the server read the target as training did: the chat
-    template the answers were rendered with (written beside the drafter as CHAT_TEMPLATE_FILE,
-    `$DRAFTER` in serve.sh), its options, remote code where the target needed it."""
-    ours = drafter_config.get("dspark_cluster", {})
-    chat = ours.get("chat_format")
+    template the answers were rendered with (written beside the drafter, in directory `drafter`,
+    as CHAT_TEMPLATE_FILE) and its options. Never `--trust-remote-code`: whether to run the
+    target's own code is the user's call (`remote_code_note`), not a config file's."""
+    chat = drafter_config.get("dspark_cluster", {}).get("chat_format")
     args = []
     if chat:
-        args += ["--chat-template", f"$DRAFTER/{CHAT_TEMPLATE_FILE}"]
+        args += ["--chat-template", f"{drafter}/{CHAT_TEMPLATE_FILE}"]
         if chat.get("kwargs"):
             args += ["--default-chat-template-kwargs", json.dumps(chat["kwargs"], sort_keys=True)]
-    if ours.get("target_trust_remote_code"):
-        args.append("--trust-remote-code")
     return args
 
 
-def shell_words(args: list[str]) -> str:
-    """Quoted for bash, `$DRAFTER` left to expand."""
-    return " ".join('"$DRAFTER/' + a[len("$DRAFTER/"):] + '"' if a.startswith("$DRAFTER/") else shlex.quote(a)
-                    for a in args)
+def remote_code_note(drafter_config: dict) -> str | None:
+    """What to tell the user when the target was read with its own model code in training."""
+    if not drafter_config.get("dspark_cluster", {}).get("target_trust_remote_code"):
+        return None
+    return ("The target ships its own model code (it was trained with trust_remote_code). vLLM needs "
+            "--trust-remote-code to load it: add that flag yourself, to the extra arguments, if you trust the "
+            "target's code; neither this recipe nor the drafter's config.json turns it on.")
+
+
+def serve_argv(drafter_config: dict, drafter: str | Path, target: str | None = None,
+               extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The `vllm serve` command line (argv, nothing to quote) for the drafter in directory `drafter`:
+    the target `target` (default: the verifier config.json names, validated), the recipe's
+    `--speculative-config`, the target's chat arguments, then `extra` (the user's own)."""
+    spec = speculative_config(drafter_config, str(drafter))
+    return ["vllm", "serve", target or verifier(drafter_config), "--speculative-config", json.dumps(spec),
+            *target_arguments(drafter_config, drafter), *extra]
+
+
+# Placeholders for serve.sh's variables: a NUL never occurs in argv text (json.dumps writes one as
+# `\u0000`), and a validated verifier has no control characters.
+_DRAFTER, _TARGET = "\x00", "\x01"
+_SAFE = re.compile(r"[\w./-]*")
+
+
+def _script_word(word: str, spec: bool) -> str:
+    """One argv word as bash: literal text single-quoted, the placeholders as "$DRAFTER", "$TARGET",
+    and in the speculative config the drafter as a JSON string ("$J", the directory escaped)."""
+    if word == _TARGET:
+        return '"$TARGET"'
+    if spec:
+        marker = json.dumps(_DRAFTER)  # "\u0000", with its quotes
+        assert word.count(marker) == 1, word
+        head, tail = word.split(marker)
+        return shlex.quote(head + '"') + '"$J"' + shlex.quote('"' + tail)
+    head, *rest = word.split(_DRAFTER)
+    out = shlex.quote(head) if head or not rest else ""
+    for piece in rest:
+        out += f'"$DRAFTER{piece}"' if _SAFE.fullmatch(piece) else '"$DRAFTER"' + shlex.quote(piece)
+    return out
+
+
+def script_command(drafter_config: dict) -> str:
+    """`serve_argv` as the bash line of serve.sh (after `exec`, before `"$@"`)."""
+    argv = serve_argv(drafter_config, _DRAFTER, _TARGET)
+    return " ".join(_script_word(w, i > 0 and argv[i - 1] == "--speculative-config") for i, w in enumerate(argv))
 
 
 def _comment(text: str) -> str:
-    return "\n".join("# " + line for line in textwrap.wrap(text, 96))
+    return "\n".join("# " + line for line in textwrap.wrap(text, 96, break_on_hyphens=False))
 
 
 def serve_script(drafter_config: dict) -> str:
-    """A shell script that serves the target with the drafter beside it (its own directory)."""
-    spec = speculative_config(drafter_config, "DRAFTER_DIR")
-    spec_json = json.dumps(spec).replace('"DRAFTER_DIR"', '"\'"$DRAFTER"\'"')
+    """A shell script that serves the target with the drafter beside it (its own directory): the
+    `serve_argv` command, every word quoted. For reading; `scripts/serve.sh` builds the command
+    itself from config.json rather than run a script found in a drafter directory."""
+    note = remote_code_note(drafter_config)
     return f"""#!/usr/bin/env bash
 # Serve {verifier(drafter_config)} with this DSpark drafter in vLLM (generated with the checkpoint).
 #   TARGET=/path/to/target ./serve.sh [extra vllm serve arguments, e.g. --tensor-parallel-size 8]
 # TARGET defaults to the verifier recorded in config.json. `method: dspark` runs on vLLM's GPU (V2) runner only.
 {_comment(recipe_reason(drafter_config) + ".")}
-set -euo pipefail
+{_comment(note) + chr(10) if note else ""}set -euo pipefail
 DRAFTER="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+J=${{DRAFTER//\\\\/\\\\\\\\}}; J=${{J//\\\"/\\\\\\\"}}  # the directory as JSON string text
 TARGET="${{TARGET:-}}"
 [ -n "$TARGET" ] || TARGET={shlex.quote(verifier(drafter_config))}
-exec vllm serve "$TARGET" --speculative-config '{spec_json}' {shell_words(target_arguments(drafter_config))} "$@"
+exec {script_command(drafter_config)} "$@"
 """
 
 
@@ -184,7 +264,8 @@ def model_card(drafter_config: dict, training: dict, evaluation: dict, sampled: 
     epochs, samples and steps; `evaluation`: `dspark.evaluate`'s summary (greedy, held out);
     `sampled`: the same at temperature > 0 with the served recipe; `long_context`: τ by context
     length."""
-    spec = speculative_config(drafter_config, "THIS_DIRECTORY")
+    command = shlex.join(serve_argv(drafter_config, "THIS_DIRECTORY"))
+    note = remote_code_note(drafter_config)
     s = evaluation.get("settings", {})
     rows = category_rows(evaluation)
     p = evaluation.get("percentiles", {})
@@ -239,10 +320,10 @@ the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {f
 ## Serving
 `./serve.sh` (beside this file) runs:
 
-    vllm serve {verifier(drafter_config)} --speculative-config {shlex.quote(json.dumps(spec))} {shell_words(target_arguments(drafter_config))}
+    {command}
 
-with `model` set to this directory's absolute path. `method: dspark` runs on vLLM's GPU (V2) model runner
-only. Recipe: {recipe_reason(drafter_config)}. The same recipe serves temperature-0 requests greedily (vLLM
+with THIS_DIRECTORY this directory's absolute path.{" " + note if note else ""}
+`method: dspark` runs on vLLM's GPU (V2) model runner only. Recipe: {recipe_reason(drafter_config)}. The same recipe serves temperature-0 requests greedily (vLLM
 compares each draft with the target's argmax then).
 """
 
@@ -273,26 +354,66 @@ def write_recipe(drafter_dir: str | Path, training: dict, evaluation: dict, samp
 
 def write_serve_script(drafter_dir: str | Path) -> Path:
     """`serve.sh` (and the chat template it names) alone, for a checkpoint exported without its
-    recipe (an intermediate checkpoint): what `scripts/serve.sh` falls back to."""
+    recipe (an intermediate checkpoint)."""
     d = Path(drafter_dir)
     _write_atomic(d, _serve_files(json.loads((d / "config.json").read_text())))
     return d / "serve.sh"
 
 
+def serve(drafter_dir: str | Path, extra: list[str], target: str | None = None) -> list[str]:
+    """What `scripts/serve.sh` runs: the `serve_argv` command built from the checkpoint's
+    config.json (no file of the drafter directory is executed), the chat template written beside
+    it from config.json where it is missing or differs. Returns the argv to exec."""
+    d = Path(drafter_dir).resolve()
+    cfg = json.loads((d / "config.json").read_text())
+    argv = serve_argv(cfg, d, target, extra)
+    chat = cfg.get("dspark_cluster", {}).get("chat_format")
+    template = d / CHAT_TEMPLATE_FILE
+    if chat and (not template.is_file() or template.read_text() != chat["template"]):
+        _write_atomic(d, [(CHAT_TEMPLATE_FILE, chat["template"], 0o644)])
+    note = remote_code_note(cfg)
+    if note and "--trust-remote-code" not in extra:
+        print(f"note: {note}", file=sys.stderr)
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dspark.recipe DRAFTER_DIR`: the recipe and why; `--write-serve`: write serve.sh
+    beside it; `--serve DRAFTER_DIR [-- extra vllm serve arguments]` (TARGET= overrides the
+    verifier): exec `vllm serve` with the recipe, what `scripts/serve.sh` does."""
     import argparse
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description="The serving recipe of a drafter checkpoint")
     ap.add_argument("drafter", help="checkpoint directory (its config.json)")
-    ap.add_argument("--write-serve", action="store_true", help="write serve.sh (and its chat template) beside it")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--write-serve", action="store_true", help="write serve.sh (and its chat template) beside it")
+    how.add_argument("--serve", action="store_true",
+                     help="exec `vllm serve` with the recipe (TARGET= overrides the target; vllm arguments after --)")
     args = ap.parse_args(argv)
+    if extra and not args.serve:
+        ap.error("arguments after -- are for --serve")
     d = Path(args.drafter).resolve()
+    if not (d / "config.json").is_file():
+        ap.error(f"no config.json in {args.drafter}: not a drafter checkpoint")
     cfg = json.loads((d / "config.json").read_text())
-    if args.write_serve:
-        print(write_serve_script(d))
-    else:
-        print(json.dumps(speculative_config(cfg, str(d))))
-        print(recipe_reason(cfg))
+    try:
+        if args.serve:
+            command = serve(d, extra, os.environ.get("TARGET") or None)
+            sys.stdout.flush()
+            os.execvp(command[0], command)
+        elif args.write_serve:
+            print(write_serve_script(d))
+        else:
+            print(json.dumps(speculative_config(cfg, str(d))))
+            print(recipe_reason(cfg))
+            if remote_code_note(cfg):
+                print(remote_code_note(cfg))
+    except ValueError as e:  # a config.json this recipe refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

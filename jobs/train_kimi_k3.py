@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -31,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.config import ConfigError, load_config  # noqa: E402
+from cluster.config_load import load_config  # noqa: E402
+from cluster.errors import ConfigError  # noqa: E402
 
 SIMULATED_NODES_TIMEOUT_S = 180
 JOB_ARGS_ENV = "DSPARK_JOB_ARGS"
@@ -67,13 +69,17 @@ def warn_short_stop_wait() -> None:
             wait, 2 * MIN_STOP_WAIT_S)
 
 
-def left_out(evaluation: dict, budget_key: str) -> str:
-    """What an evaluation set's time budget left out, for the job's last lines."""
-    left = evaluation.get("left_out_for_time") or []
-    return f" ({len(left)} more left out by {budget_key}: {', '.join(left[:4])})" if left else ""
+def simulated_cluster(text: str | None) -> tuple[int, int] | None:
+    """`--simulate NxG`: N nodes of G (fake) GPUs each; a ConfigError naming the flag otherwise."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m or int(m[1]) < 1:
+        raise ConfigError(f"--simulate {text!r}: expected NxG, N nodes (at least 1) of G GPUs each, e.g. 12x4")
+    return int(m[1]), int(m[2])
 
 
-def plan(cfg, simulate: str | None) -> int:
+def plan(cfg, simulate: tuple[int, int] | None) -> int:
     import ray
 
     from cluster.scaling import capacity_plan
@@ -83,7 +89,7 @@ def plan(cfg, simulate: str | None) -> int:
     if simulate:
         from ray.cluster_utils import Cluster
 
-        n, g = (int(x) for x in simulate.lower().split("x"))
+        n, g = simulate
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
         for _ in range(n):  # started side by side (each is a raylet and its agents), then awaited together
             cluster.add_node(wait=False, num_cpus=64, num_gpus=g)
@@ -103,7 +109,7 @@ def plan(cfg, simulate: str | None) -> int:
                 cluster.wait_for_nodes(timeout=SIMULATED_NODES_TIMEOUT_S)
             except TimeoutError:  # Ray's own message does not say how many, nor how long
                 joined = sum(1 for node in ray.nodes() if node["Alive"]) - 1  # less the head
-                print(f"--simulate {simulate}: {joined} of {n} simulated nodes joined within "
+                print(f"--simulate {n}x{g}: {joined} of {n} simulated nodes joined within "
                       f"{SIMULATED_NODES_TIMEOUT_S} s (each is a raylet started on this machine)", file=sys.stderr)
                 return 2
         placed = place_all(cfg)
@@ -134,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ap.parse_intermixed_args(job_arguments(sys.argv[1:] if argv is None else argv))
         cfg = load_config(args.config, args.overrides)
+        simulate = simulated_cluster(args.simulate)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     if args.plan:
-        return plan(cfg, args.simulate)
-    from cluster.preflight import RunDirLock, check_inputs, check_ray_head
+        return plan(cfg, simulate)
+    from cluster.preflight import RunDirLock, check_inputs, check_ray_head, join_ray, keep_ray_on_loopback
 
     try:
         conversations = check_inputs(cfg)
@@ -151,15 +158,23 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from cluster.control import Stop
-    from cluster.job import TrainingJob, plan_box
-    from dspark.tau_report import fmt, format_length_table, format_table
+    from cluster.box import plan_box
+    from cluster.control import ControlChannel, JobStopped, Stop
+    from cluster.job import TrainingJob, summary
 
-    if head is None:
-        # No head to join: ray.init starts one for this job alone. Ray's one-machine switch keeps
-        # every listener of it on loopback (else Ray turns 127.0.0.1 into the machine's address),
-        # as scripts/run_local.sh does for its head.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    control = ControlChannel()
+
+    def stop(signum, _frame):
+        # The first signal (`ray job stop` sends SIGTERM) asks the job to stop after its step with
+        # a checkpoint and result.json (or, during start-up, after the phase it is in); a second
+        # one aborts at once. Installed before the box's probe and Ray: a stop then ends the
+        # start-up at its first phase, with result.json.
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        control.send(Stop(f"{signal.Signals(signum).name} received"))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    keep_ray_on_loopback(head)  # a Ray of its own, or a head on loopback: every listener stays there
     warn_short_stop_wait()
     if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
@@ -169,18 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    ray.init(log_to_driver=True)
-    job = TrainingJob(cfg, conversations, started=started, box_plan=box)
-
-    def stop(signum, _frame):
-        # The first signal (`ray job stop` sends SIGTERM) asks the job to stop after its step with
-        # a checkpoint and result.json (or, during start-up, after the phase it is in); a second
-        # one aborts at once.
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-        job.control.send(Stop(f"{signal.Signals(signum).name} received"))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
+    job = TrainingJob(cfg, conversations, started=started, box_plan=box, control=control)
+    try:
+        join_ray(lambda: ray.init(log_to_driver=True), head, lambda: control.stop_sent)
+    except ConfigError as e:  # Ray's own wait is still running in its thread: no clean exit
+        print(e, file=sys.stderr, flush=True)
+        os._exit(2)
+    except JobStopped as e:
+        print(summary(job.stopped(str(e), e.phase), cfg), flush=True)
+        os._exit(0)
     try:
         result = job.run()
     except ConfigError as e:  # found in the preparation, against the target: nothing was started
@@ -190,53 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dspark.job").exception("the job failed")
         print(f"\njob failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    if result["status"] == "stopped":
-        print(f"\nstopped at step {result['steps']} ({result['reason']}); {result['resume']}")
-        print(f"results: {result['run_dir']}/result.json")
-        return 0
-    ev = result["evaluation"]
-    print(f"\nheld-out tau = {fmt(ev['tau'])} over {ev['num_prompts']} prompts (greedy, block {cfg.drafter.block_size}); "
-          f"lossless={ev['lossless']}; per-position acceptance "
-          + " ".join(f"{a:.2f}" for a in ev["per_position_acceptance"]))
-    print(format_table(ev))
-    for name, other in result["evaluation_sets"].items():
-        print(f"\n{name} tau = {fmt(other['tau'])} over {other['num_prompts']} prompts of {cfg.data.eval_sets[name]} "
-              f"(never trained on); lossless={other['lossless']}")
-        print(format_table(other))
-    sampled = result.get("evaluation_sampled")
-    if sampled:
-        s = sampled["settings"]
-        print(f"\nheld-out tau at temperature {s['temperature']} = {fmt(sampled['tau'])} over {sampled['num_prompts']} prompts "
-              f"(the served recipe: {s['draft_sample_method']} drafting, {s['rejection_sample_method']} rejection)"
-              + left_out(sampled, "data.eval_sampled_budget_s"))
-        print(format_table(sampled))
-    long_context = result.get("long_context")
-    if long_context:
-        print(f"\nlong-context tau = {fmt(long_context['tau'])} over {long_context['num_prompts']} prompts of "
-              f"{cfg.data.long_context_prompts}{left_out(long_context, 'data.long_context_budget_s')}, by context length:")
-        print(format_length_table(long_context["by_prompt_length"]))
-    for name, why in result.get("evaluation_skipped", {}).items():
-        print(f"\n{name}: not measured ({why})")
-    proof = result["exactly_once"]
-    epochs = result["epochs"]
-    # what was trained, as passes over the prompts: "20 of 20 planned epochs" said nothing of a run
-    # that the time budget ended 3.5% into its plan
-    print(f"trained {proof['trained']} samples exactly once over groups {sorted(result['groups'])} "
-          f"({proof['crossed']} by another group's rank): {epochs['trained']:.1f} epochs of {epochs['prompts']} prompts "
-          f"({result['trained_fraction']:.0%} of the {epochs['kept']} epochs kept of {epochs['planned']} planned) "
-          f"in {result['trained_until_s'] / 60:.1f} min, ended by {result['ended_by']}; record: {proof['record']}")
-    if result.get("plan"):
-        p = result["plan"]
-        print(f"plan for this box: {p['prompts_per_category']} prompts per category, answers of up to {p['answer_tokens']} "
-              f"tokens, expected {p['epochs']:.1f} epochs ({p['reasons'][0]})")
-    print(f"drafter: {result['drafter']}  (vLLM: method=dspark)")
-    quality = result["quality"]
-    if not quality["worth_serving"]:
-        print(f"NOT WORTH SERVING: {'; '.join(quality['reasons'])}\n  to change: {'; '.join(quality['advice'])}")
-    cpu = result["machine"]["cpu"]
-    print(f"wall clock {result['wall_clock_s'] / 60:.1f} min on {cpu['model']} ({cpu['cores']} cores, native bf16: "
-          f"{cpu['native_bf16']}); target {result['machine']['target_dtype']}, trainer {result['machine']['trainer_precision']}")
-    print(f"results: {result['run_dir']}/result.json")
+    print(summary(result, cfg))
     return 0
 
 

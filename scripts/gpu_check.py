@@ -218,7 +218,7 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
     if replays:
         shutil.rmtree(replay, ignore_errors=True)  # no earlier run's samples for the trainer check
     for r in produced:
-        s = read_sample(r.ref["path"], layer_ids)
+        s = read_sample(r.path, layer_ids)
         if s.hidden_states.dtype != torch.bfloat16:
             return False, f"{r.prompt_id}: hidden states stored as {s.hidden_states.dtype}, not the model's bf16"
         ref = hidden_states_for(model, s.token_ids.cuda(), layer_ids).float().cpu()
@@ -231,7 +231,7 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
     if replays and worst >= bound:  # the trainer check replays these, and only states that passed
         replay.mkdir()
         for r in produced:
-            shutil.copy(r.ref["path"], replay / f"{r.prompt_id}.safetensors")
+            shutil.copy(r.path, replay / f"{r.prompt_id}.safetensors")
         (replay / REPLAY_PASSED).write_text(detail + "\n")
     return worst >= bound, detail
 

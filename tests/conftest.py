@@ -25,6 +25,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
     os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("WANDB_MODE", "offline")
+# The config's `testing:` hooks (faults injected, a slower trainer) are allowed in the suite's
+# jobs, not in a user's (cluster.config_checks.check_testing).
+os.environ.setdefault("DSPARK_TESTING", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ["DSPARK_CACHE"]) / "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

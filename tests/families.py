@@ -13,7 +13,7 @@ embedding its residual stream carries — so only the families that tie in real 
 
 `vllm_extracts`: whether vLLM 0.32's model class for the family implements the aux-hidden-state
 interface that hidden-state capture (`cluster.inference.capture_model`) needs;
-`cluster.inference.target.vllm_extraction_gap` asks vLLM the same question for a real target.
+`cluster.target.vllm_extraction_gap` asks vLLM the same question for a real target.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ import time
 from collections import Counter, defaultdict
 
 from cluster.data.ledger_entry import (FAILED, GENERATING, LEASED, PENDING, QUARANTINE, RESERVED, STATES, STORED,
-                                       TRAINED, UNBOUNDED, Entry, LedgerError, saved_row)
+                                       TRAINED, UNBOUNDED, Entry, LedgerError, saved_ref, saved_row)
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts
 from cluster.data.ledger_generation import GenerationSide
 from cluster.data.ledger_index import LedgerIndex, rebuilt
@@ -292,8 +292,8 @@ class SampleLedger(GenerationSide, TrainingSide):
             raise LedgerError(f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
                               f"{self.first_open_epoch() - 1} have begun")
         dropped = [self.entries[u] for u in self.order if self.entries[u].epoch >= epochs]
-        kept_keys = {(e.ref or {}).get("key") for e in self._in(STORED, LEASED) if e.epoch < epochs}
-        keys = sorted({e.ref["key"] for e in dropped if e.state == STORED and e.ref} - kept_keys)
+        kept_keys = {e.ref.key for e in self._in(STORED, LEASED) if e.epoch < epochs and e.ref}
+        keys = sorted({e.ref.key for e in dropped if e.state == STORED and e.ref} - kept_keys)
         for e in dropped:
             self.index.remove(e)
             del self.entries[e.uid], self._members[e.state][e.uid]
@@ -383,14 +383,14 @@ class SampleLedger(GenerationSide, TrainingSide):
         stale = [d["ref"]["key"] for d in state["entries"] if d.get("ref")]
         for e in self._in(STORED, LEASED):
             if e.ref and not e.released:
-                stale.append(e.ref["key"])
+                stale.append(e.ref.key)
         self._abandoned += [self.key_for(e, e.group) for e in self._in(GENERATING)]
         stale = list(dict.fromkeys(stale))
         for uid, e in self.entries.items():
             d = known.get(uid)
             if d and d["state"] in (TRAINED, FAILED):
                 self._set(e, d["state"], trained_at_step=d.get("trained_at_step"), tokens=d.get("tokens", 0),
-                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=d.get("ref"),
+                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=saved_ref(d),
                           group=d.get("group"), step=d.get("step"), rank=d.get("rank"), crossed=d.get("crossed", False))
             else:
                 self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, replica=None, group=None, crossed=False,

@@ -5,6 +5,11 @@ producers, the progress reporter, the autoscaler) holds one of these instead of 
 handle: a renamed ledger method is then an attribute error where it is called, not a string
 that fails in a Ray actor minutes into a job. It pickles with its handle, so producers on
 other nodes get one too.
+
+Each method is its signature and one call: the typed rows (`ledger_rows`) go to the actor and
+come back as they are. What a call does is the `SampleLedger` method of the same name: the
+producers' calls in cluster/data/ledger_generation.py, the training loop's in
+cluster/data/ledger_training.py, the rest (plan, accounting, saved state) in cluster/data/ledger.py.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ class LedgerClient:
 
     # ---- producers --------------------------------------------------------------------------
     def request_prompts(self, replica: str, max_n: int, group: str) -> list[PromptTask]:
-        return [PromptTask.from_row(r) for r in self._get(self.handle.request_prompts.remote(replica, max_n, group))]
+        return self._get(self.handle.request_prompts.remote(replica, max_n, group))
 
     def report_produced(self, replica: str, results: list[ProducedSample]) -> None:
-        self._get(self.handle.report_produced.remote(replica, [r.to_row() for r in results]))
+        self._get(self.handle.report_produced.remote(replica, results))
 
     def replica_died(self, replica: str, cause: str = "") -> int:
         return self._get(self.handle.replica_died.remote(replica, cause))
@@ -48,17 +53,16 @@ class LedgerClient:
 
     # ---- the training loop ------------------------------------------------------------------
     def peek_stored(self, n: int) -> list[LeasedSample]:
-        return [LeasedSample.from_row(r) for r in self._get(self.handle.peek_stored.remote(n))]
+        return self._get(self.handle.peek_stored.remote(n))
 
     def reserved_rows(self) -> list[LeasedSample]:
-        return [LeasedSample.from_row(r) for r in self._get(self.handle.reserved_rows.remote())]
+        return self._get(self.handle.reserved_rows.remote())
 
     def reserved_waiting(self) -> int:
         return self._get(self.handle.reserved_waiting.remote())
 
     def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[LeasedSample]] | None:
-        lease = self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
-        return None if lease is None else [[LeasedSample.from_row(r) for r in rows] for rows in lease]
+        return self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
 
     def release_lease(self, step: int, missing: list[str] | dict[str, str], reason: str = "gone from the store",
                       regenerate: bool = True) -> None:

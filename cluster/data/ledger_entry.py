@@ -1,9 +1,12 @@
-"""One prompt x epoch of the job in the ledger (`Entry`), its states, and what can be read
+"""One prompt x epoch of the job in the ledger (`Entry`), its states, the JSON row a checkpoint
+keeps of it (`saved_row`, read back by `SampleLedger.load_state_dict`), and what can be read
 from a saved ledger state without a ledger."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from cluster.store import SampleRef
 
 PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
 STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
@@ -19,7 +22,7 @@ class Entry:
     state: str = PENDING
     replica: str | None = None
     group: str | None = None  # the group that generated the sample: its bytes live on that group's nodes
-    ref: dict | None = None  # SampleRef fields once stored
+    ref: SampleRef | None = None  # once stored
     tokens: int = 0
     nbytes: int = 0
     step: int | None = None
@@ -40,9 +43,16 @@ class Entry:
 def saved_row(e: Entry) -> dict:
     """What a checkpoint keeps of an entry: every field but the live ones (its replica, when its
     state began, whether it is a suspect: a resumed ledger starts them afresh)."""
-    return {"prompt_id": e.prompt_id, "epoch": e.epoch, "state": e.state, "group": e.group, "ref": e.ref,
+    return {"prompt_id": e.prompt_id, "epoch": e.epoch, "state": e.state, "group": e.group,
+            "ref": e.ref.to_dict() if e.ref is not None else None,
             "tokens": e.tokens, "nbytes": e.nbytes, "step": e.step, "rank": e.rank, "crossed": e.crossed,
             "released": e.released, "attempts": e.attempts, "errors": list(e.errors), "trained_at_step": e.trained_at_step}
+
+
+def saved_ref(row: dict) -> SampleRef | None:
+    """The `SampleRef` of a saved row (`saved_row`'s; or one written before refs travelled
+    typed, which may also carry a file backend's `path`: ignored)."""
+    return SampleRef.from_dict(row["ref"]) if row.get("ref") else None
 
 
 class LedgerError(RuntimeError):

@@ -1,13 +1,20 @@
-"""The ledger's generation side: the calls of the producers (inference replicas, replay) on the `SampleLedger` state (cluster/data/ledger.py,
-whose docstring tells the whole life of a sample). A mixin: it holds no state of its own."""
+"""The ledger's generation side: the calls of the producers (inference replicas, replay) and of
+the replica pools' watchers on the `SampleLedger` state (cluster/data/ledger.py, whose docstring
+tells the whole life of a sample). A mixin: it holds no state of its own.
+
+Here: `request_prompts`, `report_produced`, `replica_died`, `hung_replicas`, `master_restarted`
+(and `full`). The training loop's calls are in `ledger_training`; the plan, the accounting and
+the saved state (`shorten`, `counts`, `outcome`, `load_state_dict`, ...) in `ledger`. Each is
+called through one line of `LedgerClient` (cluster/data/ledger_client.py)."""
 
 from __future__ import annotations
 
 from cluster.data.ledger_entry import GENERATING, PENDING, RESERVED, STORED, UNBOUNDED, Entry
+from cluster.data.ledger_rows import ProducedSample, PromptTask
 
 
 class GenerationSide:
-    def request_prompts(self, replica: str, max_n: int, group: str = "g0") -> list[dict]:
+    def request_prompts(self, replica: str, max_n: int, group: str = "g0") -> list[PromptTask]:
         """Up to `max_n` prompts for a replica of `group`; [] while that group is paused. The
         samples in generation count against the group's high watermark at their expected size,
         so that a batch cannot overfill the store: a producer reports its batch at the end, and
@@ -30,7 +37,7 @@ class GenerationSide:
         for e in chosen:  # (after the scan: _set edits the pools)
             e.attempts += 1
             self._set(e, GENERATING, replica=replica, group=group)
-            out.append({"id": e.prompt_id, "uid": e.uid, "key": self.key_for(e, group), "messages": self.messages[e.prompt_id]})
+            out.append(PromptTask(e.prompt_id, e.uid, self.key_for(e, group), self.messages[e.prompt_id]))
         return out
 
     def full(self, group: str) -> bool:
@@ -67,25 +74,26 @@ class GenerationSide:
             for uid in pool:
                 yield self.entries[uid]
 
-    def report_produced(self, replica: str, results: list[dict]) -> None:
-        """`results`: {"uid", "ref" or "error", "tokens", "nbytes"} per prompt handed out."""
+    def report_produced(self, replica: str, results: list[ProducedSample]) -> None:
+        """One report per prompt handed out: its stored sample's ref, or the error."""
         for r in results:
-            e = self.entries.get(r["uid"])
+            e = self.entries.get(r.uid)
             if e is None or e.state != GENERATING or e.replica != replica:
                 # A late report for a prompt already returned to pending (replica declared dead):
                 # ignore it, the prompt is being regenerated elsewhere.
-                self.events.append({"event": "stale_report", "uid": r["uid"], "replica": replica})
-                if r.get("ref"):  # its object is in the store under a key no entry holds
-                    self._abandoned.append(r["ref"]["key"])
+                self.events.append({"event": "stale_report", "uid": r.uid, "replica": replica})
+                if r.ref is not None:  # its object is in the store under a key no entry holds
+                    self._abandoned.append(r.ref.key)
                 continue
-            if r.get("error") or not r.get("ref"):
-                self._retry_or_fail(e, str(r.get("error")))
+            if r.error or r.ref is None:
+                self._retry_or_fail(e, r.error or "no sample")
                 continue
-            self._set(e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None, suspect=False)
+            tokens, nbytes = r.ref.num_tokens, r.ref.nbytes
+            self._set(e, STORED, ref=r.ref, tokens=tokens, nbytes=nbytes, replica=None, suspect=False)
             for totals in (self.totals, self.group_totals[e.group]):
                 totals["produced_samples"] += 1
-                totals["produced_tokens"] += int(r["tokens"])
-                totals["produced_bytes"] += int(r["nbytes"])
+                totals["produced_tokens"] += tokens
+                totals["produced_bytes"] += nbytes
         self._update_pause()
 
     def replica_died(self, replica: str, cause: str = "") -> int:

@@ -102,7 +102,7 @@ class HeldBytes:
 def _held_key(e: Entry) -> str | None:
     """The store key whose bytes `e` holds (None: it holds none)."""
     if e.state in (STORED, LEASED) and not e.released:
-        return (e.ref or {}).get("key", e.uid)
+        return e.ref.key if e.ref is not None else e.uid
     return None
 
 

@@ -1,5 +1,12 @@
-"""The ledger's training side: the calls of the training loop (step assembly, commits, restarts) on the `SampleLedger` state (cluster/data/ledger.py,
-whose docstring tells the whole life of a sample). A mixin: it holds no state of its own."""
+"""The ledger's training side: the calls of the training loop (step assembly, commits, restarts)
+on the `SampleLedger` state (cluster/data/ledger.py, whose docstring tells the whole life of a
+sample). A mixin: it holds no state of its own.
+
+Here: `peek_stored`, `reserved_rows`, `reserved_waiting`, `lease_step`, `checkpoint_state`,
+`release`, `commit`, `trainer_restarted`, `release_lease`. The producers' calls are in
+`ledger_generation`; the plan, the accounting and the saved state (`shorten`, `counts`,
+`outcome`, `abandoned_keys`, `load_state_dict`, ...) in `ledger`. Each is called through one line
+of `LedgerClient` (cluster/data/ledger_client.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +14,16 @@ import heapq
 from collections import defaultdict
 
 from cluster.data.ledger_entry import GENERATING, LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
+from cluster.data.ledger_rows import LeasedSample
 
 
 class TrainingSide:
-    def peek_stored(self, n: int) -> list[dict]:
+    def peek_stored(self, n: int) -> list[LeasedSample]:
         """Up to `n` stored samples, without leasing them (e.g. to fit a vocab mapping)."""
         first = heapq.nsmallest(n, self._members[STORED], key=self.position.__getitem__)
         return [self._row(self.entries[u]) for u in first]
 
-    def reserved_rows(self) -> list[dict]:
+    def reserved_rows(self) -> list[LeasedSample]:
         """The reserved samples stored so far (the calibration split and the held-out prompts the
         confidence head is measured on), in the order they were given."""
         stored = sorted(self._reserved_members[STORED], key=self.position.__getitem__)
@@ -26,20 +34,20 @@ class TrainingSide:
         return sum(len(self._reserved_members[s]) for s in (PENDING, GENERATING))
 
     @staticmethod
-    def _row(e: Entry) -> dict:
-        return {"uid": e.uid, "ref": e.ref, "group": e.group}
+    def _row(e: Entry) -> LeasedSample:
+        return LeasedSample(e.uid, e.ref, e.group)
 
     def _leased_at(self, step: int) -> list[Entry]:
         return [self.entries[u] for u in self.index.leased_at(step)]
 
-    def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[dict]] | None:
+    def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[LeasedSample]] | None:
         """Samples for optimizer step `step`, one list per rank (`rank_groups[r]`: rank r's
         group), assembled as the module docstring says; None when no rank gets anything.
         Re-asking for a step already leased returns the same lease."""
         held = self._leased_at(step) or self._assemble(step, rank_groups, batch_tokens)
         if not held:
             return None
-        out: list[list[dict]] = [[] for _ in rank_groups]
+        out: list[list[LeasedSample]] = [[] for _ in rank_groups]
         for e in sorted(held, key=lambda x: self.position[x.uid]):
             out[e.rank].append(self._row(e))
         return out
@@ -124,7 +132,7 @@ class TrainingSide:
 
     def _shares_key_with_next(self, e: Entry) -> bool:
         nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
-        return bool(self.reuse and nxt is not None and nxt.ref and nxt.ref.get("key") == e.ref["key"]
+        return bool(self.reuse and nxt is not None and nxt.ref and nxt.ref.key == e.ref.key
                     and nxt.state in (STORED, LEASED))
 
     def release(self, step: int) -> list[str]:
@@ -136,7 +144,7 @@ class TrainingSide:
                 self.index.remove(e)  # (its bytes leave what the group holds)
                 e.released = True
                 self.index.add(e)
-                keys.append(e.ref["key"])
+                keys.append(e.ref.key)
         self._update_pause()
         return keys
 
@@ -148,7 +156,7 @@ class TrainingSide:
             if e.step is not None and e.step <= step:
                 self._set(e, TRAINED, trained_at_step=e.step)
                 if not self._shares_key_with_next(e) and not e.released:
-                    keys.append(e.ref["key"])
+                    keys.append(e.ref.key)
                 for totals in (self.totals, self.group_totals[e.group]):
                     self._count_trained(totals, e.tokens, e.crossed)
         self.committed_step = max(self.committed_step, step)

@@ -21,6 +21,10 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.data.ledger_rows import LeasedSample
 
 
 class ExactlyOnceViolation(RuntimeError):
@@ -32,13 +36,13 @@ class TrainingRecord:
         self.path = Path(path)
         self.pending: list[dict] = []  # trained, not yet committed
 
-    def add(self, step: int, rank: int, group: str, trained) -> None:
-        """`trained`: the samples (`uid`, `source`: cluster.training.TrainedSample) rank `rank`
-        trained at `step`."""
+    def add(self, step: int, rank: int, group: str, trained: list[LeasedSample]) -> None:
+        """`trained`: the samples (`LeasedSample`s: their `group` is the record's `source`, where
+        the sample was generated) rank `rank` of group `group` trained at `step`."""
         for t in trained:
             prompt, _, epoch = t.uid.rpartition("@")
             self.pending.append({"uid": t.uid, "prompt": prompt, "epoch": int(epoch), "step": step, "rank": rank,
-                                 "group": group, "source": t.source})
+                                 "group": group, "source": t.group})
 
     def commit(self, step: int) -> int:
         """Append the rows of steps <= `step` (durably); returns the committed line count."""

@@ -25,6 +25,10 @@ import dataclasses
 
 import torch
 
+# vLLM's class for an architecture, and whether it can capture: the driver asks the same before
+# any replica starts (`cluster.target.read_target`), so the two live on the ground floor
+from cluster.target import capture_gap, vllm_class
+
 PREFIX = "DSparkCapture"
 CACHE_LAYER = "dspark_hidden_states"  # the cache layer's name (plus its index) in vLLM's forward context
 LAYER_IDS_KEY = "dspark_capture_layer_ids"  # the hf_config attribute carrying the layer ids
@@ -60,23 +64,6 @@ def capture_engine_kwargs(target_path: str, trust_remote_code: bool, layer_ids: 
     else:
         kwargs["model_class_overrides"] = {name: f"{__name__}:{name}"}
     return kwargs
-
-
-def vllm_class(arch: str) -> type | None:
-    """vLLM's model class registered under `arch`, None if it has none."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    # A private loader (vLLM 0.32): the public resolver needs a whole ModelConfig.
-    return ModelRegistry._try_load_model_cls(arch)
-
-
-def capture_gap(cls: type) -> str | None:
-    """Why `cls` cannot capture hidden states, or None when it can."""
-    from vllm.model_executor.models.interfaces import supports_eagle3
-
-    return None if supports_eagle3(cls) else (
-        f"vLLM's {cls.__name__} does not implement the aux-hidden-state interface (SupportsEagle3) that "
-        f"hidden-state capture needs")
 
 
 def capture_class(arch: str) -> type:

@@ -6,10 +6,8 @@ end): the loop idles."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (cluster.data imports this module: its replay backend is a Producer)
-    from cluster.data.ledger_rows import ProducedSample, PromptTask
+from cluster.data import ProducedSample, PromptTask
 
 
 class Producer:

@@ -31,9 +31,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cluster.config import SamplingConfig, TargetConfig
+from cluster.data import ProducedSample, PromptTask
 from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.errors import last_exception_line
 from cluster.inference.producer import Producer
@@ -41,12 +41,9 @@ from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from cluster.waiting import wait_until
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
 
-if TYPE_CHECKING:
-    from cluster.data.ledger_rows import ProducedSample, PromptTask
-
 CONNECTOR = "MooncakeHiddenStatesConnector"
 SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
-CONNECTOR_MODULE = "cluster.store.hidden_states_connector"
+CONNECTOR_MODULE = "cluster.inference.hidden_states_connector"
 # A put retries against a full store until this long before its flush gives up: a put that
 # outlived the flush would store a sample the replica had already reported failed (a leaked
 # object, and an attempt lost); so the put ends first, and a failed put stores nothing.
@@ -91,10 +88,13 @@ class EngineSpan:
 
 @dataclass
 class Produced:
-    """One prompt's outcome: a stored sample, or an error that sends it back to pending."""
+    """One prompt's outcome as the engine gives it (`process`): a stored sample, or an error
+    that sends it back to pending; with the answer's tokens (the stats, and tests compare them).
+    What the ledger hears of it is its `ProducedSample` (`produce`)."""
 
     prompt_id: str
-    ref: dict | None = None  # SampleRef fields
+    ref: SampleRef | None = None
+    path: str | None = None  # the file backend's file
     response_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     error: str | None = None
@@ -307,9 +307,9 @@ class InferenceActor(Producer):
                 if p is None:
                     produced.error = "engine returned no hidden-state reference"
                 else:
-                    produced.ref = asdict(SampleRef(p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"],
-                                                    p.get("dtype", "bfloat16")))
-                    produced.ref["path"] = p.get("path")
+                    produced.ref = SampleRef(p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"],
+                                             p.get("dtype", "bfloat16"))
+                    produced.path = p.get("path")
             results[pid] = produced
         if s.extract:
             self._flush([r for r in results.values() if r.ref is not None])
@@ -329,8 +329,8 @@ class InferenceActor(Producer):
 
         def present(r: Produced) -> bool:
             if s.backend == "file":
-                return os.path.exists(r.ref["path"])
-            return self.store().exists(r.ref["key"])
+                return os.path.exists(r.path)
+            return self.store().exists(r.ref.key)
 
         waiting = [r for r in produced if not present(r)]
 
@@ -349,11 +349,8 @@ class InferenceActor(Producer):
             r.error, r.ref = "hidden states never reached the store", None
 
     def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
-        from cluster.data.ledger_rows import ProducedSample  # (cluster.data imports this room: its replay is a Producer)
-
         done = self.process([{"id": t.id, "messages": t.messages, "key": t.key} for t in prompts])
-        return [ProducedSample(t.uid, SampleRef.from_dict(r.ref), extra={"path": r.ref["path"]}) if r.ref is not None
-                else ProducedSample(t.uid, error=r.error) for t, r in zip(prompts, done)]
+        return [ProducedSample(t.uid, r.ref, r.error) for t, r in zip(prompts, done)]
 
 
 class HeadlessEngineWorker:

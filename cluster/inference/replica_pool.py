@@ -4,8 +4,10 @@ its own placement group, each pulling prompts from the job's ledger in a loop (`
 The pool starts them, replaces a dead one in its placement group (its prompts go back to
 pending first), adds one in a new placement group and drains one for the autoscaler, and stops
 them all at the end. A producer that keeps dying is replaced at most
-`inference.max_replica_restarts` times per group; then `supervise` raises with the last error,
-which ends the job with that message instead of recreating it forever. A replica that fails to
+`inference.max_replica_restarts` times per group within any `inference.restart_window_s`
+(`RestartBudget`: a rate, so a week of scattered deaths goes on and a crash loop stops); then
+`supervise` raises with the last error, which ends the job with that message instead of
+recreating it forever. A replica that fails to
 start with the error another one of the group failed to start with ends the job at once: a
 deterministic start-up error (a bad engine setting, a class a worker cannot load) would fail
 every replacement the same way, for minutes of restarts and backoff. A replica that stays
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.errors import cause_of
 from cluster.hardware import one_node_env
+from cluster.restart_budget import RestartBudget
 from cluster.scaling import Placed, RoleSpec, place
 from cluster.store import StoreServices
 
@@ -133,20 +136,19 @@ def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict |
 
 class ReplicaPool:
     def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
-                 run_name: str, placement_timeout_s: float, max_restarts: int, generation_timeout_s: float = 1800.0,
+                 run_name: str, placement_timeout_s: float, restarts: RestartBudget, generation_timeout_s: float = 1800.0,
                  backoff_s: float = 1.0, start_timeout_s: float = 1800.0) -> None:
         import ray
 
         self.ray, self.group, self.spec, self.ledger, self.services = ray, group, spec, ledger, services
         self.role, self.run_name, self.placement_timeout_s = role, run_name, placement_timeout_s
-        self.max_restarts, self.generation_timeout_s, self.backoff_s = max_restarts, generation_timeout_s, backoff_s
+        self.restarts, self.generation_timeout_s, self.backoff_s = restarts, generation_timeout_s, backoff_s
         self.start_timeout_s = start_timeout_s
         self.hung: dict[str, str] = {}  # replica -> why it was killed
         self.waiting: list[tuple[float, Placed, bool]] = []  # replacements due at a time (backoff)
         self._hung_checked = 0.0
         self.replicas: dict[str, Replica] = {}
         self.seq = 0
-        self.restarts = 0
         self.start_failures: set[str] = set()  # causes of replicas that died in their constructor
         self.stopping = False
         self.events: list[str] = []
@@ -201,13 +203,14 @@ class ReplicaPool:
                                          f"an earlier one, so every replacement would: {cause}")
                 if at_start:
                     self.start_failures.add(cause)
-                if self.restarts >= self.max_restarts:
-                    raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts + 1} times "
-                                         f"(inference.max_replica_restarts={self.max_restarts}); last: {cause}")
-                self.restarts += 1
-                # Backoff: the k-th replacement waits backoff x 2^(k-1) s (at most 60), so that a
-                # fault that repeats (a node going bad) does not spin through the restart budget.
-                delay = min(self.backoff_s * 2.0 ** (self.restarts - 1), 60.0)
+                if not self.restarts.spend():
+                    raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts.recent() + 1} times within "
+                                         f"{self.restarts.window_s:g} s (inference.max_replica_restarts="
+                                         f"{self.restarts.limit} per inference.restart_window_s); last: {cause}")
+                # Backoff: the k-th replacement within the window waits backoff x 2^(k-1) s (at
+                # most 60), so that a fault that repeats (a node going bad) does not spin through
+                # the restart budget.
+                delay = min(self.backoff_s * 2.0 ** (self.restarts.recent() - 1), 60.0)
                 self.waiting.append((time.monotonic() + delay, rep.placed, rep.owned))
             now = time.monotonic()
             due, self.waiting = [w for w in self.waiting if w[0] <= now], [w for w in self.waiting if w[0] > now]

@@ -1,10 +1,11 @@
-"""Start, resume and recover the trainer world and the producers.
+"""Resume and recovery: what a checkpoint allows, and the trainer world through its life.
 
-Before anything starts, a resume is checked against the config's plan; at start the ledger and
-the record are set back to the checkpoint; the world begins from it (or fresh, its draft
-vocabulary counted on the first stored answers). While training, dead replicas and a restarted
-master are handled (`supervise`), a failed world restarts from the last checkpoint (bounded)
-and a resize places a new world at a checkpoint boundary.
+Before anything starts, a resume is checked against the config's plan (`check_resume_plan`);
+at start the ledger and the record are set back to the checkpoint (`restore_data_state`).
+`TrainerWorld` owns the trainer's placement groups and its restarts: it begins from the
+checkpoint (or fresh, its draft vocabulary counted on the first stored answers), restarts a
+failed world from the last checkpoint (bounded) and places a new world for a resize at a
+checkpoint boundary.
 """
 
 from __future__ import annotations
@@ -12,38 +13,41 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
+from cluster.config import ConfigError, JobConfig
 from cluster.control import ResizeTrainer
-from cluster.job.checkpointing import checkpoint
-from cluster.training import TrainerFailure
+from cluster.data import LedgerClient, TrainingRecord, trained_outside
+from cluster.job.checkpointing import Committer
+from cluster.job.events import EventLog
+from cluster.job.supervision import Supervisor
+from cluster.restart_budget import RestartBudget
+from cluster.store import StoreServices
+from cluster.training import CheckpointDir, TrainerFailure, TrainerGang
 from cluster.waiting import wait_until
 
 log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
 
 
-def check_resume_plan(job) -> None:
-    """Refuse, before any actor starts, a resume whose checkpoint trained samples this config
-    no longer plans: changed prompt files, `data.max_prompts(_per_category)`, held-out split
-    or fewer epochs. The ledger would drop them and train another set under the old record
-    (or, with a changed split, may have trained on prompts now evaluated). A plan that only
-    adds samples (more epochs, another prompt file) resumes. `trainer.resume=always` with no
-    whole checkpoint is refused here too."""
-    from cluster.config import ConfigError
-    from cluster.data import trained_outside
-
-    t = job.cfg.trainer
-    ckpt = job.resume_candidate = job.checkpoints.latest() if t.resume != "never" else None
+def check_resume_plan(cfg: JobConfig, checkpoints: CheckpointDir, train_ids: set[str], heldout_ids: set[str]) -> Path | None:
+    """The checkpoint a resume would start from (None: a fresh start). Refuses, before any actor
+    starts, a resume whose checkpoint trained samples this config no longer plans: changed prompt
+    files, `data.max_prompts(_per_category)`, held-out split or fewer epochs. The ledger would
+    drop them and train another set under the old record (or, with a changed split, may have
+    trained on prompts now evaluated). A plan that only adds samples (more epochs, another prompt
+    file) resumes. `trainer.resume=always` with no whole checkpoint is refused here too."""
+    t = cfg.trainer
+    ckpt = checkpoints.latest() if t.resume != "never" else None
     if t.resume == "always" and ckpt is None:
-        raise ConfigError(f"config error at `trainer.resume`: always, but no whole checkpoint under {job.checkpoints.root}")
+        raise ConfigError(f"config error at `trainer.resume`: always, but no whole checkpoint under {checkpoints.root}")
     if ckpt is None:
-        return
-    outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()),
-                              {c.id for c in job.train_prompts}, job.cfg.data.epochs)
+        return None
+    outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()), train_ids, cfg.data.epochs)
     if not outside:
-        return
-    heldout = {c.id for c in job.heldout} & {u.rsplit("@", 1)[0] for u in outside}
+        return ckpt
+    heldout = heldout_ids & {u.rsplit("@", 1)[0] for u in outside}
     raise ConfigError(
         f"{ckpt} trained {len(outside)} samples this config does not plan to train (e.g. {', '.join(outside[:3])})"
         + (f"; {len(heldout)} of their prompts are now held out for evaluation" if heldout else "")
@@ -52,162 +56,157 @@ def check_resume_plan(job) -> None:
         "afresh with trainer.resume=never (earlier checkpoints are moved aside).")
 
 
-def restore_data_state(job) -> Path | None:
-    """The checkpoint to resume from, with the ledger and the training record already set back
-    to it (samples it did not commit leave the store); or a fresh start (earlier checkpoints of
-    this run name moved aside, no record)."""
-    resume = job.resume_candidate  # found, and checked against the plan, by check_resume_plan
+def restore_data_state(resume: Path | None, checkpoints: CheckpointDir, ledger: LedgerClient, record: TrainingRecord,
+                       gang: TrainerGang, master_generation: int, events: EventLog) -> Path | None:
+    """The checkpoint to resume from (`check_resume_plan`'s), with the ledger and the training
+    record already set back to it (samples it did not commit leave the store); or a fresh start
+    (earlier checkpoints of this run name moved aside, no record)."""
     if resume is None:
-        moved = job.checkpoints.archive()  # a fresh run must not rotate into an old run's steps
+        moved = checkpoints.archive()  # a fresh run must not rotate into an old run's steps
         if moved:
-            job.events.append(f"fresh start: earlier checkpoints moved to {moved}")
-        job.record.reset()
+            events.add(f"fresh start: earlier checkpoints moved to {moved}")
+        record.reset()
         return None
-    stale = job.ledger.load_state_dict(json.loads((resume / "ledger.json").read_text()), job.master_generation)
-    job.gang.remove_keys(stale)
-    job.record.rollback_to(job.checkpoints.meta(resume)["record_rows"])
-    job.events.append(f"resumed from {resume}")
-    log.info("resuming from %s", resume)
+    stale = ledger.load_state_dict(json.loads((resume / "ledger.json").read_text()), master_generation)
+    gang.remove_keys(stale)
+    record.rollback_to(checkpoints.meta(resume)["record_rows"])
+    events.add(f"resumed from {resume}")
     return resume
 
 
-def restart_trainer(job, cause: Exception) -> None:
-    """The world failed (a rank died, hung or raised): a new world from the last checkpoint.
-    The ledger gives back what was leased after it (re-read, or regenerated if released),
-    the training record drops the rows it did not commit. A restart that fails itself counts
-    as the next one."""
-    from cluster.scaling import place_all, trainer_specs
+class TrainerWorld:
+    """The trainer gang's placement and life: `begin`, `restart` (bounded by
+    `trainer.max_restarts` within any `trainer.restart_window_s`), `resize`. `resume_from` is
+    the checkpoint the next `begin` loads."""
 
-    layout = job.gang.layout()
-    while True:
-        if job.trainer_restarts >= job.cfg.trainer.max_restarts:
-            raise RuntimeError(f"the trainer world failed {job.trainer_restarts + 1} times "
-                               f"(trainer.max_restarts={job.cfg.trainer.max_restarts}); last: {cause}")
-        job.trainer_restarts += 1
-        stop_world(job)
-        try:
-            job.services.check(force=True)  # a dead store daemon (what may have killed the ranks) first
-            job.trainer_generation += 1
-            start_world(job, place_all(job.cfg, trainer_specs(job.cfg, layout, job.trainer_generation)))
-            ckpt = job.checkpoints.latest()
-            returned = job.ledger.trainer_restarted(job.checkpoints.meta(ckpt)["step"] if ckpt else 0)
-            job.record.rollback_to(job.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
-            job.uncommitted = []
-            job.events.append(f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
-                               f"({returned} leased samples given back): {cause}")
-            log.warning("%s", job.events[-1])
-            job.resume_from = ckpt
-            job.stats.step = begin(job)
-            return
-        except TrainerFailure as e:
-            cause = e
+    def __init__(self, cfg: JobConfig, gang: TrainerGang, services: StoreServices, ledger: LedgerClient,
+                 record: TrainingRecord, checkpoints: CheckpointDir, committer: Committer, supervisor: Supervisor,
+                 events: EventLog, vocab_texts: list[str], train_prompts: int, resume_from: Path | None,
+                 stop_check: Callable[[str], None]) -> None:
+        """`stop_check(phase)`: raises JobStopped once a stop was sent (the first answers' wait
+        and a restart's retries check it)."""
+        self.cfg, self.gang, self.services, self.ledger, self.record = cfg, gang, services, ledger, record
+        self.checkpoints, self.committer, self.supervisor, self.events = checkpoints, committer, supervisor, events
+        self.vocab_texts, self.train_prompts, self.resume_from = vocab_texts, train_prompts, resume_from
+        self.stop_check = stop_check
+        self.placement: list = []  # the trainer's placement groups
+        self.generation = 0  # bumped per trainer placement after the first: new placement group names
+        self.restarts = RestartBudget(cfg.trainer.max_restarts, cfg.trainer.restart_window_s)
 
+    def start(self, placed: list) -> None:
+        """A trainer world on the placement groups `placed`: the store daemons of their nodes
+        first (the ranks are store clients of them), then the ranks."""
+        self.placement = placed
+        self.services.ensure_node_stores(placed)
+        self.gang.settings = replace(self.gang.settings, store=self.services.store_config())
+        self.gang.start(placed)
 
-def resize(job, request: ResizeTrainer) -> None:
-    """A new world with `request`'s ranks per group, at a checkpoint boundary: commit, stop
-    the ranks, place and start the new ones, reload. If the new layout cannot be placed, the
-    old one is placed again (its resources were just freed)."""
-    from cluster.scaling import PlacementError, place, release, trainer_specs
+    def stop(self) -> None:
+        """The ranks stop and the world's placement groups are freed."""
+        from cluster.scaling import release
 
-    old = job.gang.layout()
-    want = {**old, **request.ranks}
-    if want == old:
-        job.stats.resize_seq_handled = request.seq
-        return
-    ckpt = checkpoint(job)
-    stop_world(job)
-    timeout = job.cfg.autoscaler.placement_timeout_s
-    for layout in (want, old):
-        job.trainer_generation += 1
-        placed = []
-        try:
-            for spec in trainer_specs(job.cfg, layout, job.trainer_generation):
-                placed.append(place(spec, timeout))
-            break
-        except PlacementError as e:
-            release(placed)
-            if layout == old:
-                raise
-            job.events.append(f"trainer resize {old}->{want} not placed ({e}); staying at {old}")
-            log.warning("%s", job.events[-1])
-    start_world(job, placed)
-    resized = job.gang.size != sum(old.values())  # the old layout placed again keeps its optimizer state
-    job.gang.setup(job.gang.read_drafter(str(ckpt / "drafter")), ckpt, resized)
-    job.stats.ranks, job.stats.layout = job.gang.size, job.gang.layout()
-    job.stats.resize_seq_handled = request.seq
-    job.planner.remeasure()  # another world, another pace (and the resize's own minutes are not one step)
-    if job.gang.layout() != old:
-        job.events.append(f"trainer resized {old}->{job.gang.layout()} at step {job.stats.step}")
-        log.info("%s", job.events[-1])
+        self.gang.stop()
+        release(self.placement)
+        self.placement = []
 
+    def begin(self) -> int:
+        """The world's drafter and engines: from `resume_from`, or fresh (the draft vocabulary
+        counted on the first stored answers); the step it starts from."""
+        if self.resume_from is None:
+            return self.gang.setup(self.fresh_model_init(), None, False)
+        model_init = self.gang.read_drafter(str(self.resume_from / "drafter"))
+        resized = self.checkpoints.meta(self.resume_from)["world_size"] != self.gang.size
+        return self.gang.setup(model_init, self.resume_from, resized)
 
-def stop_world(job) -> None:
-    """The trainer world's ranks stop and its placement groups are freed."""
-    from cluster.scaling import release
+    def restart(self, cause: Exception) -> int:
+        """The world failed (a rank died, hung or raised): a new world from the last checkpoint;
+        the step it starts from. The ledger gives back what was leased after it (re-read, or
+        regenerated if released), the training record drops the rows it did not commit. A
+        restart that fails itself counts as the next one."""
+        from cluster.scaling import place_all, trainer_specs
 
-    job.gang.stop()
-    release(job.trainer_pgs)
-    job.trainer_pgs = []
+        layout = self.gang.layout()
+        while True:
+            self.stop_check("a trainer restart")
+            if not self.restarts.spend():
+                raise RuntimeError(f"the trainer world failed {self.restarts.recent() + 1} times within "
+                                   f"{self.restarts.window_s:g} s (trainer.max_restarts={self.restarts.limit} per "
+                                   f"trainer.restart_window_s); last: {cause}")
+            self.stop()
+            try:
+                self.services.check(force=True)  # a dead store daemon (what may have killed the ranks) first
+                self.generation += 1
+                self.start(place_all(self.cfg, trainer_specs(self.cfg, layout, self.generation)))
+                ckpt = self.checkpoints.latest()
+                returned = self.ledger.trainer_restarted(self.checkpoints.meta(ckpt)["step"] if ckpt else 0)
+                self.record.rollback_to(self.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
+                self.committer.forget()
+                self.events.add(f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
+                                f"({returned} leased samples given back): {cause}", logging.WARNING)
+                self.resume_from = ckpt
+                return self.begin()
+            except TrainerFailure as e:
+                cause = e
 
+    def resize(self, request: ResizeTrainer, step: int) -> bool:
+        """A new world with `request`'s ranks per group, at a checkpoint boundary: commit, stop
+        the ranks, place and start the new ones, reload. If the new layout cannot be placed, the
+        old one is placed again (its resources were just freed). Whether a new world began."""
+        from cluster.scaling import PlacementError, place, release, trainer_specs
 
-def start_world(job, placed: list) -> None:
-    """A trainer world on the placement groups `placed`: the store daemons of their nodes
-    first (the ranks are store clients of them), then the ranks."""
-    job.trainer_pgs = placed
-    job.services.ensure_node_stores(placed)
-    job.gang.settings = replace(job.gang.settings, store=job.services.store_config())
-    job.gang.start(placed)
+        old = self.gang.layout()
+        want = {**old, **request.ranks}
+        if want == old:
+            return False
+        ckpt = self.committer.commit(step)
+        self.stop()
+        timeout = self.cfg.autoscaler.placement_timeout_s
+        for layout in (want, old):
+            self.generation += 1
+            placed = []
+            try:
+                for spec in trainer_specs(self.cfg, layout, self.generation):
+                    placed.append(place(spec, timeout))
+                break
+            except PlacementError as e:
+                release(placed)
+                if layout == old:
+                    raise
+                self.events.add(f"trainer resize {old}->{want} not placed ({e}); staying at {old}", logging.WARNING)
+        self.start(placed)
+        resized = self.gang.size != sum(old.values())  # the old layout placed again keeps its optimizer state
+        self.gang.setup(self.gang.read_drafter(str(ckpt / "drafter")), ckpt, resized)
+        if self.gang.layout() != old:
+            self.events.add(f"trainer resized {old}->{self.gang.layout()} at step {step}")
+        return True
 
+    def fresh_model_init(self) -> dict:
+        if not self.cfg.drafter.draft_vocab_size:
+            return {}
+        # More answers cover more of what the drafter will predict (on the default prompts, 64
+        # instead of 16 draft-vocab ~94 % of held-out answer tokens instead of 92 %); waiting
+        # costs little: epoch 0 can only be trained as it arrives.
+        want = min(VOCAB_SAMPLES, self.train_prompts)
+        rows, counts = [], None
 
-def begin(job) -> int:
-    """The trainer world's drafter and engines: from the checkpoint, or fresh (the draft
-    vocabulary counted on the first stored answers); the step it starts from."""
-    if job.resume_from is None:
-        return job.gang.setup(fresh_model_init(job), None, False)
-    model_init = job.gang.read_drafter(str(job.resume_from / "drafter"))
-    return job.gang.setup(model_init, job.resume_from, job.checkpoints.meta(job.resume_from)["world_size"] != job.gang.size)
+        def stored_enough():
+            nonlocal rows, counts
+            self.stop_check("the first answers' wait")
+            rows = self.ledger.peek_stored(want)
+            counts = self.ledger.counts()
+            # A full store (producers paused) or nothing left to generate: take what there is.
+            if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
+                return True
+            if not rows and counts.to_generate == 0 and not counts.generating:
+                failed = self.ledger.outcome()["failed"]
+                example = next(iter(failed.items()), ("-", ["?"]))
+                raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
+                                   f"{example[1][-1] if example[1] else '?'}")
+            self.supervisor.check()  # replicas that die before the first answers are replaced meanwhile
+            return False
 
-
-def fresh_model_init(job) -> dict:
-    if not job.cfg.drafter.draft_vocab_size:
-        return {}
-    # More answers cover more of what the drafter will predict (on the default prompts, 64
-    # instead of 16 draft-vocab ~94 % of held-out answer tokens instead of 92 %); waiting
-    # costs little: epoch 0 can only be trained as it arrives.
-    want = min(VOCAB_SAMPLES, len(job.train_prompts))
-    rows, counts = [], None
-
-    def stored_enough():
-        nonlocal rows, counts
-        rows = job.ledger.peek_stored(want)
-        counts = job.ledger.counts()
-        # A full store (producers paused) or nothing left to generate: take what there is.
-        if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
-            return True
-        if not rows and counts.to_generate == 0 and not counts.generating:
-            failed = job.ledger.outcome()["failed"]
-            example = next(iter(failed.items()), ("-", ["?"]))
-            raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
-                               f"{example[1][-1] if example[1] else '?'}")
-        supervise(job)  # replicas that die before the first answers are replaced meanwhile
-        return False
-
-    timeout = job.cfg.inference.first_samples_timeout_s
-    wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=lambda: TimeoutError(
-        f"{len(rows)} of the first {want} answers stored after {timeout:.0f}s (inference.first_samples_timeout_s); "
-        f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}"))
-    texts = [m["content"] for c in job.train_prompts for m in c.prompt_messages]
-    return job.gang.vocab_mapping(rows, texts)
-
-
-def supervise(job) -> None:
-    """Replace dead replicas (bounded); after a master restart the stored samples are gone."""
-    gen = job.services.check()
-    if gen > job.master_generation:
-        job.master_generation = gen
-        lost = job.ledger.master_restarted(gen)
-        job.events.append(f"master restarted (generation {gen}): {lost} stored samples back to pending")
-        log.warning("%s", job.events[-1])
-        job.gang.reconnect_store()
-    for pool in job.pools.values():
-        pool.supervise()
+        timeout = self.cfg.inference.first_samples_timeout_s
+        wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=lambda: TimeoutError(
+            f"{len(rows)} of the first {want} answers stored after {timeout:.0f}s (inference.first_samples_timeout_s); "
+            f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}"))
+        return self.gang.vocab_mapping(rows, self.vocab_texts)

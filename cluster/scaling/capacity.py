@@ -85,7 +85,7 @@ def target_config(cfg: JobConfig):
     from transformers import PretrainedConfig
 
     from cluster.config import LOCAL_TARGET, RANDOM_TARGET
-    from cluster.inference import read_config, resolve_target
+    from cluster.target import read_config, resolve_target
 
     if cfg.target.path in (LOCAL_TARGET, RANDOM_TARGET) or (Path(cfg.target.path) / "config.json").exists():
         tc = read_config(resolve_target(cfg), cfg.target.trust_remote_code)

@@ -2,8 +2,9 @@
 
 Owns the wire format of a sample (header, MAC: `wire`), the Mooncake client (`client`), the
 supervised daemons (`process`, `master`, `node_store`; `loopback` keeps a one-node daemon's
-transfer engine on loopback) and the job's store services (`services`). vLLM loads the hidden-states connector by module path
-(`cluster.store.hidden_states_connector`); it is not imported here (it imports vLLM).
+transfer engine on loopback) and the job's store services (`services`). The vLLM connector that
+puts a replica's hidden states into the store is the inference room's
+(`cluster.inference.hidden_states_connector`): the store room imports no other room.
 """
 
 from cluster.store.client import (HiddenStateStore, SampleMissing, StoreConfig, StoreError, StoreFull,

@@ -26,7 +26,7 @@ class MooncakeMaster(SupervisedProcess):
                  watch_interval_s: float = 0.5, extra_args: list[str] | None = None,
                  segment_bytes: int = 0, protocol: str = "tcp", rdma_devices: str = "") -> None:
         super().__init__(host, port, log_dir, watch_interval_s)
-        self.metrics_port = free_port(host)
+        self.metrics_port = free_port(host, avoid=(self.port,))  # (the RPC port may not be bound yet)
         self.extra_args = list(extra_args or [])
         self.segment_bytes, self.protocol, self.rdma_devices = segment_bytes, protocol, rdma_devices
         self._holder = None

@@ -1,5 +1,8 @@
 """`SupervisedProcess`: a Mooncake binary run as a child of a Ray actor — started, probed until
-it answers on its port, restarted when it dies, stopped with its owner.
+it answers on its port, restarted when it dies (with backoff, at most `MAX_RESTARTS` within
+any `RESTART_WINDOW_S`: `RestartBudget`), stopped with its owner. When the watcher gives up, or
+dies itself, `info()` says why (`failure`), and the job's `StoreServices.check` stops the job
+with it: a dead master or daemon never goes unnoticed.
 
 The job runs two kinds: the master (`cluster.store.master`) and, per node, the store daemon that lends
 the node's memory (`cluster.store.node_store`). Both lose their state when they die, so `generation`
@@ -16,8 +19,14 @@ import sys
 import threading
 from pathlib import Path
 
+from cluster.restart_budget import RestartBudget
 from cluster.store.client import probe
 from cluster.waiting import wait_until
+
+# A process that exits this often is in a crash loop (a port taken, a full disk, a bad flag):
+# restarting it more would hide the cause; a daemon dying now and then over days is restarted.
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0
+MAX_BACKOFF_S = 30.0
 
 
 def _die_with_parent() -> None:
@@ -31,10 +40,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = (), tries: int = 32) -> int:
+    """A port nothing listens on now, not one of `avoid`: ports chosen but not bound yet (the
+    kernel hands the same free port to successive binds of port 0: a master's metrics port once
+    came out equal to its RPC port, chosen a moment before in the driver, and the master exited
+    at every start because its second listener could not bind)."""
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free port on {host!r} outside {sorted(avoid)} in {tries} tries")
 
 
 def mooncake_binary(name: str) -> str:
@@ -69,6 +86,10 @@ class SupervisedProcess:
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # set by stop(): ends the watcher at once, not after its interval
         self._watch_interval_s = watch_interval_s
+        self.restart_budget = RestartBudget(MAX_RESTARTS, RESTART_WINDOW_S)
+        self.failure: str | None = None  # why the watcher gave up (or died): the process is not looked after
+        self.last_start_error: str | None = None
+        self._watcher: threading.Thread | None = None
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -82,7 +103,8 @@ class SupervisedProcess:
     def launch(self) -> None:
         """First start, then supervision; subclasses call it at the end of their __init__."""
         self.start()
-        threading.Thread(target=self._watch, daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name=f"watch-{self.name}")
+        self._watcher.start()
 
     @property
     def advertise_host(self) -> str:
@@ -101,7 +123,11 @@ class SupervisedProcess:
         return f"{self.advertise_host}:{self.port}"
 
     def info(self) -> dict:
-        return {"address": self.address, "generation": self.generation, "restarts": self.restarts, "alive": self.alive()}
+        failure = self.failure
+        if failure is None and self._watcher is not None and not self._watcher.is_alive() and not self._stopping.is_set():
+            failure = f"{self.name}'s watcher ended without a cause"  # (it catches everything: a bug)
+        return {"address": self.address, "generation": self.generation, "restarts": self.restarts, "alive": self.alive(),
+                "failure": failure}
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -130,13 +156,34 @@ class SupervisedProcess:
             self.after_start()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self._watch_interval_s):
-            if not self.alive():
-                try:
-                    self.restarts += 1
-                    self.start()
-                except (RuntimeError, TimeoutError):
-                    self._stopping.wait(1.0)  # the port may still be in TIME_WAIT; try again next round
+        try:
+            while not self._stopping.wait(self._watch_interval_s) and self.watch_once():
+                pass
+        except Exception as e:  # noqa: BLE001 - the watcher's own death is reported, never silent
+            self.failure = f"{self.name}'s watcher died: {type(e).__name__}: {e}"
+
+    def watch_once(self) -> bool:
+        """Restart the process if it died: False once the restart budget is spent (`failure` says
+        why). A failed start (the port still held, a log that cannot be opened on a full disk)
+        counts as a restart: the budget bounds those too."""
+        if self.alive() or self._stopping.is_set():
+            return True
+        code = self._proc.returncode if self._proc is not None else None
+        if not self.restart_budget.spend():
+            self.failure = (f"{self.name} on {self.address} exited {self.restart_budget.recent() + 1} times within "
+                            f"{self.restart_budget.window_s:g} s (last exit code {code}"
+                            + (f"; last start error: {self.last_start_error}" if self.last_start_error else "")
+                            + f"; its logs: {self.log_dir}): not restarted again")
+            return False
+        self.restarts += 1
+        # backoff: the k-th restart within the window waits 2^(k-1) s (at most MAX_BACKOFF_S)
+        if self._stopping.wait(min(2.0 ** (self.restart_budget.recent() - 1) - 1.0, MAX_BACKOFF_S)):
+            return True
+        try:
+            self.start()
+        except Exception as e:  # noqa: BLE001 - counted; the next round tries again within the budget
+            self.last_start_error = f"{type(e).__name__}: {e}"
+        return True
 
     def kill(self) -> None:
         """Kill the process as a crash would (the watcher restarts it)."""

@@ -33,6 +33,14 @@ class ServiceFailure(RuntimeError):
     pass
 
 
+def unwatched(info: dict, what: str) -> None:
+    """A service whose process watcher gave up (a crash loop) or died: ServiceFailure naming why
+    (`SupervisedProcess.failure`), so that the job stops with it instead of running on a store
+    nobody looks after."""
+    if info.get("failure"):
+        raise ServiceFailure(f"{what} at {info.get('address')}: {info['failure']}")
+
+
 class StoreServices:
     def __init__(self, transport: TransportConfig, run_name: str, log_dir: str) -> None:
         import ray
@@ -118,7 +126,9 @@ class StoreServices:
         with self._lock:
             self._checked = time.monotonic()
             try:
-                self._generation = self.master_generations + self.ray.get(self.master.info.remote(), timeout=30)["generation"]
+                info = self.ray.get(self.master.info.remote(), timeout=30)
+                unwatched(info, "the Mooncake master")
+                self._generation = self.master_generations + info["generation"]
             except self.ray.exceptions.RayActorError as e:
                 self._replace("the Mooncake master's actor", e)
                 self.ray.kill(self.master)
@@ -127,7 +137,7 @@ class StoreServices:
                 self.master = self._retry(lambda: self._start_master(port, 120.0))
             for node, (actor, address) in list(self.node_stores.items()):
                 try:
-                    self.ray.get(actor.info.remote(), timeout=30)
+                    unwatched(self.ray.get(actor.info.remote(), timeout=30), f"the store daemon of node {node[:12]}")
                 except self.ray.exceptions.RayActorError as e:
                     self._replace(f"the store daemon's actor of node {node[:12]}", e)
                     self.ray.kill(actor)

@@ -15,7 +15,7 @@ import hmac
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -60,11 +60,16 @@ class SampleRef:
         return HEADER + aligned(h) + aligned(i) + m
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The JSON form a saved ledger state keeps (`ledger.json` in a checkpoint); the ref
+        itself is what travels through Ray. Field by field (`asdict` deep-copies: a checkpoint
+        writes one per stored entry)."""
+        return {"key": self.key, "num_tokens": self.num_tokens, "layer_ids": list(self.layer_ids),
+                "hidden_size": self.hidden_size, "dtype": self.dtype}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SampleRef":
-        """From `to_dict()` output, ignoring extra fields (e.g. a file backend's path)."""
+        """From `to_dict()` output, ignoring extra fields (a checkpoint written before refs
+        travelled typed kept a file backend's `path` beside them)."""
         return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
 
     @classmethod

@@ -8,9 +8,11 @@ format (`drafter/`), the ledger as it is once that step is committed (`ledger.js
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import zipfile
@@ -18,6 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger("dspark.checkpoints")
 KEEP = 2  # the newest two: a crash while writing the next one still leaves one intact, so does a corrupt one
+STEP_DIR = re.compile(r"step-(\d{6,})")  # what `paths` names a checkpoint; anything else in the root is not one
 
 
 class CheckpointDir:
@@ -26,22 +29,26 @@ class CheckpointDir:
         root.mkdir(parents=True, exist_ok=True)
 
     def steps(self) -> list[Path]:
-        done = [p for p in self.root.glob("step-*") if p.is_dir() and (p / "meta.json").exists()]
-        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+        """The written checkpoints, oldest first: `step-NNNNNN` folders with their meta.json (a
+        folder of another name, `step-foo` or a copy, is not one of them and is left alone)."""
+        done = [p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / "meta.json").exists()]
+        return sorted(done, key=step_of)
 
     def latest(self) -> Path | None:
-        """The newest checkpoint that is whole; a damaged newer one is reported and skipped (the
-        previous one is used), never deleted."""
+        """The newest checkpoint that is whole, its files' contents checked against their digests;
+        a damaged newer one is reported and skipped (the previous one is used), never deleted."""
         for path in reversed(self.steps()):
-            problem = self.problem(path)
+            problem = self.problem(path, contents=True)
             if problem is None:
                 return path
             log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, problem)
         return None
 
     @staticmethod
-    def problem(path: Path) -> str | None:
-        """Why `path` cannot be resumed from, or None: every part present and its JSON readable."""
+    def problem(path: Path, contents: bool = False) -> str | None:
+        """Why `path` cannot be resumed from, or None: every part present and its JSON readable,
+        each file of the size written (and with `contents`, of the digest written: a same-size
+        corruption)."""
         try:
             meta = json.loads((path / "meta.json").read_text())
             json.loads((path / "ledger.json").read_text())
@@ -53,7 +60,7 @@ class CheckpointDir:
                 return f"{part} missing or empty"
         if not {"step", "world_size", "record_rows"} <= set(meta):
             return f"meta.json lacks {sorted({'step', 'world_size', 'record_rows'} - set(meta))}"
-        return damaged_file(path, meta.get("files", {}))  # (older checkpoints list no files)
+        return damaged_file(path, meta.get("files", {}), contents)  # (older checkpoints list no files)
 
     def paths(self, step: int) -> tuple[Path, Path]:
         """(temporary dir to write into, final name)."""
@@ -64,11 +71,15 @@ class CheckpointDir:
         return json.loads((path / "meta.json").read_text())
 
     def rotate(self) -> None:
-        """Keep the newest KEEP whole checkpoints (and anything newer than the oldest of them)."""
+        """Keep the newest KEEP whole checkpoints (and anything newer than the oldest of them);
+        temporary folders of saves that never finished go (a save just published has none)."""
         whole = [p for p in self.steps() if self.problem(p) is None]
         if len(whole) > KEEP:
-            for old in [p for p in self.steps() if int(p.name.split("-")[1]) < int(whole[-KEEP].name.split("-")[1])]:
+            for old in [p for p in self.steps() if step_of(p) < step_of(whole[-KEEP])]:
                 shutil.rmtree(old, ignore_errors=True)
+        for tmp in self.root.glob(".step-*.tmp"):
+            log.info("removing %s, a checkpoint whose save never finished", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def archive(self) -> Path | None:
         """Move an earlier run's checkpoints aside (a fresh start with `trainer.resume=never`),
@@ -81,18 +92,33 @@ class CheckpointDir:
         return dest
 
 
-def file_sizes(root: Path) -> dict[str, int]:
-    """Every file of a checkpoint being written, by path relative to it, with its size (but
-    `meta.json`, which lists them)."""
-    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*"))
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.fullmatch(path.name)[1])
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(root: Path) -> dict[str, dict]:
+    """Every file of a checkpoint being written, by path relative to it, with its size and
+    SHA-256 (but `meta.json`, which lists them)."""
+    return {str(f.relative_to(root)): {"bytes": f.stat().st_size, "sha256": digest(f)} for f in sorted(root.rglob("*"))
             if f.is_file() and f != root / "meta.json"}
 
 
-def damaged_file(root: Path, sizes: dict[str, int]) -> str | None:
-    """Why a checkpoint's files differ from what was written (`file_sizes` at save), or None. A
-    torch file (`.pt`, a zip archive) must also have its directory at its end: a truncated or
-    overwritten DeepSpeed shard fails here, before the world tries (and retries) to load it."""
-    for rel, size in sizes.items():
+def damaged_file(root: Path, written: dict[str, dict | int], contents: bool = False) -> str | None:
+    """Why a checkpoint's files differ from what was written (`file_digests` at save; a plain
+    size in checkpoints of before the digests), or None. A torch file (`.pt`, a zip archive)
+    must also have its directory at its end: a truncated or overwritten DeepSpeed shard fails
+    here, before the world tries (and retries) to load it. With `contents`, each file's SHA-256
+    too: a same-size corruption fails here, not in every restart's load."""
+    for rel, facts in written.items():
+        size, sha = (facts["bytes"], facts.get("sha256")) if isinstance(facts, dict) else (facts, None)
         f = root / rel
         if not f.is_file():
             return f"{rel} missing"
@@ -100,6 +126,8 @@ def damaged_file(root: Path, sizes: dict[str, int]) -> str | None:
             return f"{rel} has {f.stat().st_size} bytes, {size} were written"
         if f.suffix == ".pt" and not zipfile.is_zipfile(f):
             return f"{rel} is not a whole torch archive"
+        if contents and sha is not None and digest(f) != sha:
+            return f"{rel} differs from what was written (SHA-256 {sha[:12]}…)"
     return None
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from cluster.config import DrafterConfig, TrainerConfig
+from cluster.config import DrafterConfig, TestingConfig, TrainerConfig
 from cluster.hardware import one_node_env
 from cluster.store import StoreConfig
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
@@ -32,6 +32,7 @@ class TrainerSettings:
     extensions_dir: str | None = None
     trust_remote_code: bool = False  # target.trust_remote_code
     chat: ChatFormat = TOKENIZER_DEFAULT  # recorded in the exported drafter
+    testing: TestingConfig = field(default_factory=TestingConfig)  # the test suite's hooks (faults, a slower step)
 
 
 def load_checkpoints_without_code() -> None:

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-
-@dataclass(frozen=True)
-class TrainedSample:
-    """A sample a rank trained on, for the exactly-once record (`cluster.data.record`)."""
-
-    uid: str  # prompt_id@epoch
-    source: str | None  # the group whose replica generated it (where its bytes lived)
+if TYPE_CHECKING:
+    from cluster.data import LeasedSample
 
 
 @dataclass
@@ -28,7 +24,7 @@ class StepResult:
     step_s: float
     lr: float | None
     batch: list[str] = field(default_factory=list)  # the uids this rank held, trained or not
-    trained: list[TrainedSample] = field(default_factory=list)
+    trained: list[LeasedSample] = field(default_factory=list)  # its lease rows it trained, for the exactly-once record
     figures: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -24,7 +24,7 @@ from cluster.training.step_result import StepResult
 from cluster.training.trainer_rank import TrainerRank
 
 if TYPE_CHECKING:
-    from cluster.data.ledger_rows import LeasedSample
+    from cluster.data import LeasedSample
 
 log = logging.getLogger("dspark.trainer")
 

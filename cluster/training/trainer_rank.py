@@ -20,14 +20,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.training.checkpoints import file_sizes, make_universal, publish
-from cluster.training.step_result import StepResult, TrainedSample
+from cluster.training.checkpoints import file_digests, make_universal, publish
+from cluster.training.step_result import StepResult
 from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, join_world, leave_rendezvous,
                                          load_checkpoints_without_code, rendezvous, vocab_mapping_from)
 
 if TYPE_CHECKING:
-    from cluster.data.ledger_rows import LeasedSample
+    from cluster.data import LeasedSample
 
+# A key the store would not remove is tried again this many times, after 0.5, 1, 1.5 s: a daemon
+# being replaced answers again within seconds; past that the key is named, not fatal.
+REMOVE_TRIES, REMOVE_PAUSE_S = 4, 0.5
 
 class TrainerRank:
     def __init__(self, rank: int, world_size: int, group: str, settings: TrainerSettings) -> None:
@@ -57,17 +60,28 @@ class TrainerRank:
 
     def remove_keys(self, keys: list[str], abandoned: list[str] = ()) -> int:
         """Drop committed (or stale) samples from the store; Mooncake will not evict them.
-        `abandoned`: objects of attempts given up on (their producer died mid-put); one the
-        store refuses to remove (a put that never ended) is named on stderr, not fatal: the
-        commit must not fail over a sample nobody will read."""
+        `abandoned`: objects of attempts given up on (their producer died mid-put). A removal
+        that fails does not stop the others: each failed key is tried again (`REMOVE_TRIES`, with
+        a pause), and one the store still refuses (a put that never ended, a daemon gone) is
+        named on stderr with the store's error, not fatal: the commit must not fail over a
+        sample nobody will read."""
         from cluster.store import StoreError
 
-        removed = sum(self.store.remove(k) for k in keys)
-        for k in abandoned:
-            try:
-                removed += self.store.remove(k)
-            except StoreError as e:
-                print(f"[dspark] abandoned sample {k} stays in the store: {e}", file=sys.stderr, flush=True)
+        removed, failed = 0, {}
+        pending = [*keys, *abandoned]
+        for attempt in range(REMOVE_TRIES):
+            failed = {}
+            for k in pending:
+                try:
+                    removed += self.store.remove(k)
+                except StoreError as e:
+                    failed[k] = e
+            pending = list(failed)
+            if not pending:
+                break
+            time.sleep(REMOVE_PAUSE_S * (attempt + 1))
+        for k, e in failed.items():
+            print(f"[dspark] sample {k} stays in the store after {REMOVE_TRIES} tries: {e}", file=sys.stderr, flush=True)
         return removed
 
     def vocab_mapping(self, rows: list[LeasedSample], prompt_texts: list[str] = ()) -> dict:
@@ -277,7 +291,7 @@ class TrainerRank:
             loss, metrics = self.objective(self.batch, module=self.engine, share_counts=share_counts)
         if loss is None:  # no data, or none with room for a block
             loss = self.idle_loss(share_counts)
-        if self.rank == 0 and self.faults_fired[step] < self.s.trainer.fault_nonfinite_steps.count(step):
+        if self.rank == 0 and self.faults_fired[step] < self.s.testing.nonfinite_steps.count(step):
             self.faults_fired[step] += 1  # fault injection (tests): as many NaN losses at `step` as it is listed
             loss = loss * float("nan")
         nonfinite = not bool(torch.isfinite(loss.detach()).all())
@@ -287,14 +301,14 @@ class TrainerRank:
         if not skipped:
             self.engine.backward(loss)
             self.engine.step()
-        if self.s.trainer.throttle_s:
-            time.sleep(self.s.trainer.throttle_s)
+        if self.s.testing.trainer_throttle_s:  # (tests: a slower trainer)
+            time.sleep(self.s.testing.trainer_throttle_s)
         result = StepResult(
             step=step, rank=self.rank, skipped=skipped, nonfinite=nonfinite,
             tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
             step_s=time.perf_counter() - t0, lr=self.scheduler.get_last_lr()[0] if self.scheduler else None,
             batch=[r.uid for r in self.batch_rows],
-            trained=[] if skipped else [TrainedSample(r.uid, r.group) for r in self.batch_rows],
+            trained=[] if skipped else list(self.batch_rows),
             figures=metrics)
         self.batch, self.batch_rows = None, []
         return result
@@ -381,7 +395,7 @@ class TrainerRank:
         tmp, dest = Path(tmp_dir), Path(dest)
         save_drafter(self.full_drafter(), tmp / "drafter")
         (tmp / "ledger.json").write_text(json.dumps(ledger_state))
-        meta = {**meta, "files": file_sizes(tmp)}  # what `CheckpointDir.problem` checks a resume against
+        meta = {**meta, "files": file_digests(tmp)}  # what `CheckpointDir.problem` checks a resume against
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
         publish(tmp, dest)
         return str(dest)

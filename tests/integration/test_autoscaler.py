@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_load import load_config
 from tests.helpers import REPLAY_JOB_PINS
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, t
 def test_throttled_trainer_loses_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
     # Two fast producers, a slow trainer and a small store: the queue passes the high watermark.
     result, history = run(tmp_path, replay_dir, "scale-down", [
-        "data.max_prompts=60", "topology.groups.0.inference_replicas=2", "trainer.throttle_s=1.0",
+        "data.max_prompts=60", "topology.groups.0.inference_replicas=2", "testing.trainer_throttle_s=1.0",
         "transport.segment_mb=16"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:remove_replica" in applied, history
@@ -54,7 +54,7 @@ def test_slow_trainer_grows_at_a_checkpoint(ray_cluster, smol_target, replay_dir
     # rank; the resize checkpoints, restarts the DeepSpeed group with world size 2 and resumes.
     result, history = run(tmp_path, replay_dir, "grow", [
         "data.max_prompts=120", "topology.groups.0.inference_replicas=2", "topology.groups.0.max_trainer_ranks=2",
-        "trainer.throttle_s=0.5"])
+        "testing.trainer_throttle_s=0.5"])
     applied = [h["action"] for h in history if h["action"].startswith("applied:")]
     assert "applied:grow_trainer" in applied, history
     assert any("trainer resized {'g0': 1}->{'g0': 2}" in e for e in result["events"]), result["events"]

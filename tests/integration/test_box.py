@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.box import Choices, Paces, Workload, choose_plan, plan_box, startup_seconds
+from cluster.config_load import load_config
 from cluster.data import load_prompts
 from cluster.hardware import read_cpu
-from cluster.job import plan_box
-from cluster.scaling import Choices, Paces, Workload, choose_plan, startup_seconds
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +60,7 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
 def test_on_one_core_the_plan_sees_one_core(smol_target):
     if not hasattr(__import__("os"), "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
-    code = ("import json, time; from cluster.config import load_config; from cluster.job import plan_box; "
+    code = ("import json, time; from cluster.config_load import load_config; from cluster.box import plan_box; "
             "cfg = load_config('configs/local.yaml', ['run_name=box1', 'trainer.time_budget_s=300', 'box_plan.keep_paces_s=0']); "
             "r = plan_box(cfg, None, time.monotonic()); "
             "print(json.dumps({'w': r['workload'], 'p': r['paces'], 'r': r['replica_threads'], 't': r['trainer_threads'],"

@@ -28,7 +28,8 @@ import json
 import pytest
 import torch
 
-from cluster.config import ROOT, ConfigError, SamplingConfig, load_config
+from cluster.config import ROOT, ConfigError, SamplingConfig
+from cluster.config_load import load_config
 from cluster.inference import InferenceActor, InferenceSettings
 from dspark.chat import render_prompt
 from dspark.checkpoint import save_drafter
@@ -74,7 +75,7 @@ def check_family(name: str, ray, smol_target, tmp_path, monkeypatch) -> dict:
     from vllm.transformers_utils.config import maybe_override_with_speculators
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    from cluster.inference import read_target, vllm_extraction_gap
+    from cluster.target import read_target, vllm_extraction_gap
 
     family = FAMILIES[name]
     target = build_family_target(name, tmp_path / name, smol_target)
@@ -108,7 +109,7 @@ def check_family(name: str, ray, smol_target, tmp_path, monkeypatch) -> dict:
         greedy_match.append(r.response_ids == ref)
         assert r.response_ids == ref, (name, p["id"], r.response_ids, ref)
         if family.vllm_extracts:
-            s = read_sample(r.ref["path"])
+            s = read_sample(r.path)
             want = hidden_states_for(model, s.token_ids, cfg.extract_layer_ids)
             for li, layer in enumerate(cfg.extract_layer_ids):
                 c = cosine(s.hidden_states[:, li], want[:, li])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_load import load_config
 from tests.helpers import REPLAY_JOB_PINS
 
 pytestmark = pytest.mark.integration
@@ -109,8 +109,8 @@ def test_fault_combined(ray_cluster, smol_target, replay_dir, tmp_path):
     rank 0 (the update is skipped on every rank, its samples retried). Five replica deaths: the
     default budget (inference.max_replica_restarts=5)."""
     job = start_job(tmp_path, replay_dir, "combined", [
-        "inference.replay_hang_on=[dspark-0020]", "inference.replay_crash_on=[dspark-0030]",
-        "inference.generation_timeout_s=5", "trainer.fault_nonfinite_steps=[12]",
+        "testing.replay_hang_on=[dspark-0020]", "testing.replay_crash_on=[dspark-0030]",
+        "inference.generation_timeout_s=5", "testing.nonfinite_steps=[12]",
         "data.max_failed_fraction=0.05"])
     hung_killed = lambda j: any("hung" in e for e in j.pools["g0"].events) and j.pools["g0"].replicas  # noqa: E731
     result, fired = run_with(job, [(hung_killed, kill_replica), (at_step(6), kill_rank)])
@@ -249,7 +249,7 @@ def test_fault_replica_hung_in_start_up(ray_cluster, smol_target, replay_dir, tm
     """The first replica never finishes its constructor (an engine that hangs while it loads):
     after inference.start_timeout_s it is killed and replaced, and the job ends exactly-once."""
     _, result, _, events = run_one(tmp_path, replay_dir, "hung-start", [
-        "inference.replay_start_hangs=1", "inference.start_timeout_s=5"], [])
+        "testing.replay_start_hangs=1", "inference.start_timeout_s=5"], [])
     assert any("g0-r0 died (hung in start-up: its engine had not started after" in e
                and "inference.start_timeout_s=5" in e for e in events), events
     assert result["groups"]["g0"]["replicas"] == 1
@@ -303,7 +303,7 @@ def test_fault_store_daemon_killed(ray_cluster, smol_target, replay_dir, tmp_pat
         return "mooncake_client"
 
     # A slower trainer, so that samples wait in the daemon when it dies.
-    _, result, _, events = run_one(tmp_path, replay_dir, "kill-daemon", ["trainer.throttle_s=0.3"],
+    _, result, _, events = run_one(tmp_path, replay_dir, "kill-daemon", ["testing.trainer_throttle_s=0.3"],
                                    [(at_step(3), kill_daemon_process)])
     assert any("could not be read" in e for e in events), events  # what it held is regenerated
     assert_exactly_once(result)
@@ -318,7 +318,7 @@ def test_fault_store_daemon_actor_killed(ray_cluster, smol_target, replay_dir, t
         ray.kill(actor)
         return "daemon actor"
 
-    job, result, _, _ = run_one(tmp_path, replay_dir, "kill-daemon-actor", ["trainer.throttle_s=0.3"],
+    job, result, _, _ = run_one(tmp_path, replay_dir, "kill-daemon-actor", ["testing.trainer_throttle_s=0.3"],
                                 [(at_step(3), kill_daemon_actor)])
     assert any("store daemon's actor" in e for e in job.services.events), job.services.events
     assert_exactly_once(result)
@@ -327,7 +327,7 @@ def test_fault_store_daemon_actor_killed(ray_cluster, smol_target, replay_dir, t
 @pytest.mark.slow
 def test_fault_hung_replica(ray_cluster, smol_target, replay_dir, tmp_path):
     _, result, _, events = run_one(tmp_path, replay_dir, "hung-replica",
-                                   ["inference.replay_hang_on=[dspark-0020]", "inference.generation_timeout_s=5"], [])
+                                   ["testing.replay_hang_on=[dspark-0020]", "inference.generation_timeout_s=5"], [])
     assert any("hung: a prompt generating for" in e for e in events), events
     assert_exactly_once(result)
 
@@ -337,7 +337,7 @@ def test_fault_poison_prompt(ray_cluster, smol_target, replay_dir, tmp_path):
     # 3 epochs, the default restart budget (5 per group): the prompt kills the 3 replicas that
     # take it in epoch 0, then is quarantined in all three epochs (3 deaths, not 9)
     _, result, _, events = run_one(tmp_path, replay_dir, "poison", [
-        "inference.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "data.epochs=3"], [])
+        "testing.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "data.epochs=3"], [])
     assert sum("died" in e for e in events) == 3
     copies = ["dspark-0030@0", "dspark-0030@1", "dspark-0030@2"]
     assert result["quarantined"] == {"dspark-0030": {"failed": "dspark-0030@0", "copies": copies,
@@ -349,7 +349,7 @@ def test_fault_poison_prompt(ray_cluster, smol_target, replay_dir, tmp_path):
 def test_fault_poison_prompts_past_the_failure_budget_fail_the_job(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import JobFailed
 
-    job = start_job(tmp_path, replay_dir, "poison-budget", ["inference.replay_crash_on=[dspark-0030]"])
+    job = start_job(tmp_path, replay_dir, "poison-budget", ["testing.replay_crash_on=[dspark-0030]"])
     with pytest.raises(JobFailed, match=r"2 of 80 prompt x epochs failed \(2\.5% > data\.max_failed_fraction=0\.01\), "
                                         r"e\.g\. dspark-0030@0: replica g0-r\d died while generating it"):
         job.run()
@@ -370,14 +370,14 @@ def test_fault_full_store_without_eviction(ray_cluster, smol_target, replay_dir,
 
 @pytest.mark.slow
 def test_fault_nonfinite_step(ray_cluster, smol_target, replay_dir, tmp_path):
-    _, result, _, events = run_one(tmp_path, replay_dir, "nan-step", ["trainer.fault_nonfinite_steps=[4]"], [])
+    _, result, _, events = run_one(tmp_path, replay_dir, "nan-step", ["testing.nonfinite_steps=[4]"], [])
     assert any("step 4: non-finite loss on ranks [0]; update skipped" in e for e in events), events
     assert_exactly_once(result)
 
 
 @pytest.mark.slow
 def test_fault_diverged_model_stops_the_job(ray_cluster, smol_target, replay_dir, tmp_path):
-    job = start_job(tmp_path, replay_dir, "diverged", ["trainer.fault_nonfinite_steps=[4,4,4,4]",
+    job = start_job(tmp_path, replay_dir, "diverged", ["testing.nonfinite_steps=[4,4,4,4]",
                                                       "trainer.max_nonfinite_steps=3"])
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"3 consecutive steps had a non-finite loss .* the drafter diverged"):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_load import load_config
 from tests.helpers import NO_CALIBRATION, QUICK_EVAL
 
 pytestmark = pytest.mark.integration

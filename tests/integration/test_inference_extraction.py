@@ -13,7 +13,7 @@ import torch
 
 from cluster.config import SamplingConfig
 from cluster.inference import InferenceActor, InferenceSettings
-from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+from cluster.store import HiddenStateStore, StoreConfig
 from dspark.config import DSparkConfig
 from dspark.model import find_target_tensors
 from dspark.samples import read_sample
@@ -77,7 +77,7 @@ def test_hidden_states_match_transformers(produced, smol_target):
     assert stats["generated_tokens"] > 0 and stats["tokens_per_s"] > 0
     agree = []
     for r in out["mooncake"]:
-        ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
+        ref = r.ref
         s = holder.get_samples([ref])[0]
         assert s.num_tokens == r.prompt_tokens + len(r.response_ids) - 1  # the last token is never fed back
         assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
@@ -115,7 +115,7 @@ def test_fp8_kv_cache_still_captures_the_model_dtype_states(produced, smol_targe
     agree = []
     for r in out["fp8_kv"]:
         assert r.error is None and len(r.response_ids) > 1
-        s = read_sample(r.ref["path"])
+        s = read_sample(r.path)
         assert s.hidden_states.dtype == torch.bfloat16 and s.hidden_states.shape[1] == len(layer_ids)
         assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
         agree.append(final_state_picks_the_answer(s, r.prompt_tokens, eps, heads))
@@ -126,7 +126,7 @@ def test_loss_mask_is_exactly_the_assistant_text(produced, smol_target):
     out, holder, *_ = produced
     _, tok = load_target(smol_target, torch.float32)
     for r, p in zip(out["mooncake"], PROMPTS):
-        ref = SampleRef(r.ref["key"], r.ref["num_tokens"], tuple(r.ref["layer_ids"]), r.ref["hidden_size"])
+        ref = r.ref
         s = holder.get_samples([ref])[0]
         earlier = "".join(m["content"] + tok.eos_token for m in p["messages"] if m["role"] == "assistant")
         expected = earlier + tok.decode(r.response_ids[:-1])
@@ -138,8 +138,8 @@ def test_loss_mask_is_exactly_the_assistant_text(produced, smol_target):
 def test_file_backend_writes_the_same_sample(produced):
     out, holder, *_ = produced
     for f, m in zip(out["file"], out["mooncake"]):
-        from_file = read_sample(f.ref["path"])
-        ref = SampleRef(m.ref["key"], m.ref["num_tokens"], tuple(m.ref["layer_ids"]), m.ref["hidden_size"])
+        from_file = read_sample(f.path)
+        ref = m.ref
         from_store = holder.get_samples([ref])[0]
         assert torch.equal(from_file.token_ids, from_store.token_ids)
         assert torch.equal(from_file.loss_mask, from_store.loss_mask)

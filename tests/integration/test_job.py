@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config_load import load_config
 from dspark import evaluate
 from tests.helpers import FIXED_PLAN, QUICK_EVAL, eager_target, untrained_copy
 

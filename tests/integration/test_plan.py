@@ -115,7 +115,7 @@ def test_gpu_configs_name_the_checkpoint_they_plan_for(config, name):
     """The exported drafter names `target.name` as its verifier (never the local path), and --plan
     plans with `target.plan_config`, a copy of that checkpoint's config.json: a config must name
     the checkpoint, and its plan copy must be the same checkpoint's."""
-    from cluster.config import load_config
+    from cluster.config_load import load_config
 
     cfg = load_config(ROOT / "configs" / config)
     assert cfg.target.name == name and cfg.target.name != cfg.target.path

@@ -17,7 +17,7 @@ import torch
 from cluster.config import SamplingConfig
 from cluster.hardware import cpu_process_env
 from cluster.inference import InferenceActor, InferenceSettings
-from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+from cluster.store import HiddenStateStore, StoreConfig
 from dspark.config import DSparkConfig
 from tests.helpers import eager_target
 
@@ -62,7 +62,7 @@ def test_tp2_replica_stores_the_rows_tp1_stores(tp_runs):
     for one, two in zip(out[1], out[2]):
         assert one.error is None and two.error is None, (one.error, two.error)
         assert two.response_ids == one.response_ids, one.prompt_id
-        a, b = (holder.get_samples([SampleRef.from_dict(r.ref)])[0] for r in (one, two))
+        a, b = (holder.get_samples([r.ref])[0] for r in (one, two))
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
         cos = torch.nn.functional.cosine_similarity(a.hidden_states.float().flatten(1), b.hidden_states.float().flatten(1), dim=-1)
         worst = min(worst, cos.min().item())

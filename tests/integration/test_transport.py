@@ -16,7 +16,7 @@ import torch
 from cluster.data import LedgerClient, SampleLedger
 from cluster.store import MooncakeMaster
 from cluster.store import NodeStore
-from cluster.data import ReplayActor, ReplaySettings
+from cluster.inference import ReplayActor, ReplaySettings
 from cluster.store import HiddenStateStore, StoreConfig, StoreError, StoreUnavailable
 from dspark.samples import Sample, write_sample
 
@@ -51,8 +51,6 @@ class Consumer:
     def run(self, max_steps: int, stop_before_commit_at: int | None = None, step_pause_s: float = 0.0) -> dict:
         import ray
 
-        from cluster.store import SampleRef
-
         while self.step < max_steps:
             lease = ray.get(self.ledger.lease_step.remote(self.step + 1, ["g0"], 3000))
             if lease is None:
@@ -67,16 +65,16 @@ class Consumer:
             self.last_step = time.monotonic()
             rows = lease[0]
             try:
-                samples = self.store.get_samples([SampleRef.from_dict(r["ref"]) for r in rows])
+                samples = self.store.get_samples([r.ref for r in rows])
             except StoreError:  # gone with a restarted master or daemon: regenerate what is gone
-                missing = [r["uid"] for r in rows if not self.readable(r["ref"])]
+                missing = [r.uid for r in rows if not self.readable(r.ref)]
                 self.missing += len(missing)
                 ray.get(self.ledger.release_lease.remote(self.step + 1, missing))
                 continue
             assert all(s.num_tokens > 0 for s in samples)
             time.sleep(step_pause_s)
             self.step += 1
-            self.seen += [r["uid"] for r in rows]
+            self.seen += [r.uid for r in rows]
             if stop_before_commit_at is not None and self.step >= stop_before_commit_at:
                 return {"stopped": self.step}
             if self.step % self.every == 0:
@@ -84,11 +82,9 @@ class Consumer:
         self.checkpoint()
         return {"done": self.step}
 
-    def readable(self, ref: dict) -> bool:
-        from cluster.store import SampleRef
-
+    def readable(self, ref) -> bool:
         try:
-            self.store.get_samples([SampleRef.from_dict(ref)])[0]
+            self.store.get_samples([ref])[0]
             return True
         except StoreError:
             return False

@@ -26,13 +26,14 @@ def main() -> dict:
     import torch
     from ray.cluster_utils import Cluster
 
-    from cluster.config import SamplingConfig, load_config
+    from cluster.config import SamplingConfig
+    from cluster.config_load import load_config
     from cluster.hardware import cpu_process_env
     from cluster.inference import InferenceActor, InferenceSettings
     from cluster.store import MooncakeMaster
     from cluster.scaling import place, replica_spec
     from cluster.inference import start_engine_actors
-    from cluster.store import HiddenStateStore, SampleRef, StoreConfig
+    from cluster.store import HiddenStateStore, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_random_llama
     from tests.helpers import eager_target
@@ -76,7 +77,7 @@ def main() -> dict:
             if a.error or b.error:
                 raise RuntimeError(f"replica failed: {a.error or b.error}")
             same_tokens &= a.response_ids == b.response_ids
-            x, y = (holder.get_samples([SampleRef.from_dict(r.ref)])[0] for r in (a, b))
+            x, y = (holder.get_samples([r.ref])[0] for r in (a, b))
             cos = torch.nn.functional.cosine_similarity(x.hidden_states.float().flatten(1), y.hidden_states.float().flatten(1), dim=-1)
             worst = min(worst, cos.min().item())
         holder.close()

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import ROOT, ConfigError, JobConfig, load_config
+from cluster.config import ROOT, ConfigError, JobConfig
 from cluster.config_checks import check_against_target
+from cluster.config_load import load_config
 from cluster.config_fields import RANGE, declared
 
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -155,7 +156,7 @@ def test_bad_input_paths_are_named_before_anything_starts(tmp_path):
 
 
 def test_a_target_transformers_cannot_read_is_named(tmp_path):
-    from cluster.inference import read_config
+    from cluster.target import read_config
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=rf"`target\.path`: transformers cannot read {tmp_path} as a model: "
@@ -296,3 +297,50 @@ def test_a_failure_is_named_by_its_own_last_line():
 
     assert cause_of(RemoteFailure("ray's traceback text")) == "'sample g0/p3 missing'"
     assert len(cause_of(RuntimeError("x" * 1000), 300)) == 300
+
+
+@pytest.mark.parametrize("text", ["abc", "12", "0x4", "x4", "12x", "3x-1", "12x4x2"])
+def test_bad_input_simulate_flag_is_a_message_not_a_traceback(text, capsys):
+    """`--plan --simulate NxG` with anything else: one line naming the flag, exit 2 (it was a
+    ValueError's traceback), before Ray starts."""
+    sys.path.insert(0, str(ROOT))
+    from jobs.train_kimi_k3 import main, simulated_cluster
+
+    assert simulated_cluster("12x4") == (12, 4) and simulated_cluster(" 2X0 ") == (2, 0)
+    assert main(["--config", str(ROOT / "configs" / "local.yaml"), "--plan", "--simulate", text, "run_name=r"]) == 2
+    err = capsys.readouterr().err
+    assert f"--simulate {text!r}: expected NxG" in err and "Traceback" not in err
+
+
+def test_joining_ray_has_a_deadline_and_answers_a_stop():
+    """`ray.init` against a head it cannot reach waits without end (a loopback head joined
+    without Ray's one-machine switch): `join_ray` gives up at its deadline naming the address and
+    the switch, and a stop sent meanwhile ends the wait; a head on loopback gets the switch."""
+    import threading
+
+    from cluster.control import ControlChannel, JobStopped, Stop
+    from cluster.preflight import LOOPBACK_SWITCH, RayHead, join_ray, keep_ray_on_loopback
+
+    forever = threading.Event()
+    head = RayHead("127.0.0.1:6379", None)
+    with pytest.raises(ConfigError, match=r"did not connect to 127\.0\.0\.1:6379 within 0\.3 s.*RAY_ENABLE_WINDOWS_OR_OSX"):
+        join_ray(forever.wait, head, lambda: None, timeout_s=0.3, poll_s=0.05)
+    control = ControlChannel()
+    threading.Timer(0.2, lambda: control.send(Stop("SIGTERM received"))).start()
+    with pytest.raises(JobStopped, match="stopped while joining Ray: SIGTERM received"):
+        join_ray(forever.wait, head, lambda: control.stop_sent, timeout_s=30, poll_s=0.05)
+    join_ray(lambda: None, head, lambda: None, timeout_s=1)  # a join that works returns
+    with pytest.raises(ValueError, match="bad address"):
+        join_ray(lambda: (_ for _ in ()).throw(ValueError("bad address")), head, lambda: None, timeout_s=1)
+    forever.set()
+
+    environ = {}
+    keep_ray_on_loopback(RayHead("10.0.0.5:6379", None), environ)
+    assert LOOPBACK_SWITCH not in environ  # a cluster's head: Ray's own addressing
+    for address in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379"):
+        environ = {}
+        keep_ray_on_loopback(RayHead(address, None), environ)
+        assert environ == {LOOPBACK_SWITCH: "0"}
+    environ = {}
+    keep_ray_on_loopback(None, environ)  # a Ray of the job's own
+    assert environ == {LOOPBACK_SWITCH: "0"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.scaling.box_plan import Choices, Paces, Workload, choose_plan
+from cluster.box import Choices, Paces, Workload, choose_plan
 
 FAST = Paces({1: 200.0, 2: 300.0}, {1: 2.0, 2: 1.2}, {2: 0.6})
 TEN = Choices(target_epochs=10.0)  # the figures below were worked out for a target of ten epochs
@@ -123,8 +123,8 @@ def test_categories_smaller_than_the_cap_count_what_they_have():
     (["trainer.max_steps=10"], "trainer.max_steps=10 ends training first"),
 ])
 def test_the_plan_applies_to_one_cpu_box_generating_in_a_time_budget(overrides, why):
-    from cluster.config import load_config
-    from cluster.job.box import box_unfit
+    from cluster.box import box_unfit
+    from cluster.config_load import load_config
 
     assert box_unfit(load_config("configs/local.yaml", overrides)) == why
     assert box_unfit(load_config("configs/local_2groups.yaml", ["trainer.time_budget_s=100"])) == "2 groups"
@@ -133,14 +133,15 @@ def test_the_plan_applies_to_one_cpu_box_generating_in_a_time_budget(overrides, 
 @pytest.mark.parametrize("override", ["box_plan.answer_tokens=[]", "box_plan.prompts_per_category=[0,12]",
                                       "box_plan.answer_tokens=[2048]"])
 def test_choices_that_cannot_be_made_are_config_errors(override):
-    from cluster.config import ConfigError, load_config
+    from cluster.config import ConfigError
+    from cluster.config_load import load_config
 
     with pytest.raises(ConfigError, match=r"box_plan\."):
         load_config("configs/local.yaml", [override])
 
 
 def test_the_end_evaluation_fits_the_box():
-    from cluster.scaling.box_plan import EvaluationFit, fit_evaluation
+    from cluster.box import EvaluationFit, fit_evaluation
 
     # the reference box (330 tok/s): 15 + 42 + 25 + 35 = 117 s, everything kept within 120
     assert fit_evaluation(330.0, 120, 16, True, True) == EvaluationFit(16, True, True, 117.0)
@@ -168,7 +169,7 @@ def test_the_end_evaluation_fits_the_box():
 
 
 def test_start_up_takes_longer_on_a_slower_box():
-    from cluster.scaling import startup_seconds
+    from cluster.box import startup_seconds
 
     # the reference pace (330 tok/s) or faster: as configured; 129 tok/s (a 0.66-core quota's
     # probe): 330/129 = 2.558 times as long

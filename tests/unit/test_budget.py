@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.training import EpochPlanner, Plan, TrainedSample
-from cluster.data import LedgerError, SampleLedger, trained_outside
+from cluster.training import EpochPlanner, Plan
+from cluster.data import LedgerError, ProducedSample, SampleLedger, trained_outside
 from cluster.data import TrainingRecord
+from cluster.store import SampleRef
 from dspark.training import OptimConfig, WarmupCosine, build_optimizer
 
 
@@ -135,7 +136,7 @@ def run_epochs(ledger, record, first_step, epochs):
     for _ in range(epochs):
         step += 1
         lease = ledger.lease_step(step, ["g0"], 10_000)
-        record.add(step, 0, "g0", [TrainedSample(r["uid"], r["group"]) for r in lease[0]])
+        record.add(step, 0, "g0", lease[0])
         record.commit(step)
         yield step, ledger.commit(step)
 
@@ -148,8 +149,8 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
 
     def generate():
         handed = ledger.request_prompts("r0", 10)
-        ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
-        store.update(p["key"] for p in handed)
+        ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0)) for p in handed])
+        store.update(p.key for p in handed)
 
     generate()
     step = 0
@@ -180,7 +181,7 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
 
 def test_an_epoch_in_generation_is_not_dropped():
     ledger = SampleLedger(prompts(2), epochs=3)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
+    ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0))
                                   for p in ledger.request_prompts("r0", 10)])
     ledger.request_prompts("r0", 10)  # epoch 1 generating (epoch 0 has nothing left to generate)
     assert ledger.first_open_epoch() == 2

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-from cluster.config import ROOT, ConfigError, load_config
-from cluster.inference import read_chat_format
+from cluster.config import ROOT, ConfigError
+from cluster.config_load import load_config
+from cluster.target import read_chat_format
 from dspark import evaluate
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat, render_prompt, render_with_loss_mask
 from dspark.checkpoint import save_drafter

@@ -57,11 +57,12 @@ def test_a_fresh_start_moves_old_checkpoints_aside(tmp_path):
 
 
 def test_a_damaged_deepspeed_shard_falls_back_to_the_previous_checkpoint(tmp_path):
-    """Each file's size is recorded at save (`file_sizes`); a shard truncated, overwritten with
-    bytes of the same length, or gone makes the checkpoint unusable before any rank loads it."""
+    """Each file's size and digest are recorded at save (`file_digests`); a shard truncated,
+    overwritten with bytes of the same length, or gone makes the checkpoint unusable before any
+    rank loads it."""
     import torch
 
-    from cluster.training.checkpoints import file_sizes
+    from cluster.training.checkpoints import file_digests
 
     ckpts = CheckpointDir(tmp_path / "checkpoints")
 
@@ -71,7 +72,7 @@ def test_a_damaged_deepspeed_shard_falls_back_to_the_previous_checkpoint(tmp_pat
         shard.parent.mkdir()
         torch.save({"state": torch.arange(1000.0)}, shard)
         meta = json.loads((d / "meta.json").read_text())
-        (d / "meta.json").write_text(json.dumps({**meta, "files": file_sizes(d)}))
+        (d / "meta.json").write_text(json.dumps({**meta, "files": file_digests(d)}))
         return d, shard
 
     with_shard(40)
@@ -85,3 +86,47 @@ def test_a_damaged_deepspeed_shard_falls_back_to_the_previous_checkpoint(tmp_pat
     assert ckpts.latest().name == "step-000040"
     shard.unlink()
     assert CheckpointDir.problem(d).endswith("optim_states.pt missing") and ckpts.latest().name == "step-000040"
+
+
+def test_a_same_size_corruption_falls_back_and_an_older_size_list_still_reads(tmp_path):
+    """A drafter file changed in place, same length (a bit flip on disk, a partial overwrite):
+    the size check passes it, its digest does not, and the resume takes the checkpoint before
+    (it was retried until trainer.max_restarts). A checkpoint written before the digests (plain
+    sizes in meta.json) is still checked by size."""
+    from cluster.training.checkpoints import file_digests
+
+    ckpts = CheckpointDir(tmp_path / "checkpoints")
+    for step in (40, 80):
+        d = write(ckpts.root, step)
+        meta = json.loads((d / "meta.json").read_text())
+        (d / "meta.json").write_text(json.dumps({**meta, "files": file_digests(d)}))
+    weights = d / "drafter" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(bytes([original[0] ^ 1]) + original[1:])
+    assert CheckpointDir.problem(d) is None  # sizes only: what rotation checks at every commit
+    assert "drafter/model.safetensors differs from what was written" in CheckpointDir.problem(d, contents=True)
+    assert ckpts.latest().name == "step-000040"
+    weights.write_bytes(original)
+    assert ckpts.latest() == d
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps({**meta, "files": {k: v["bytes"] for k, v in meta["files"].items()}}))
+    assert ckpts.latest() == d
+    weights.write_bytes(original[:-1])
+    assert "model.safetensors has" in CheckpointDir.problem(d, contents=True) and ckpts.latest().name == "step-000040"
+
+
+def test_stray_folders_are_not_checkpoints_and_unfinished_saves_are_cleaned(tmp_path):
+    """`step-foo` (or a user's copy, `step-000040.bak`) in the checkpoint folder is not a
+    checkpoint: listing skips it (it crashed on int("foo")); a `.step-N.tmp` left by a save that
+    never finished goes at the next rotation."""
+    ckpts = CheckpointDir(tmp_path / "checkpoints")
+    write(ckpts.root, 40)
+    for stray in ("step-foo", "step-000040.bak", "step-"):
+        (ckpts.root / stray).mkdir()
+        (ckpts.root / stray / "meta.json").write_text("{}")
+    tmp, _ = ckpts.paths(120)
+    tmp.mkdir()
+    (tmp / "half-written").write_text("x")
+    assert [p.name for p in ckpts.steps()] == ["step-000040"] and ckpts.latest().name == "step-000040"
+    ckpts.rotate()
+    assert not tmp.exists() and (ckpts.root / "step-foo").is_dir() and (ckpts.root / "step-000040").is_dir()

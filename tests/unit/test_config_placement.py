@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
+from cluster.config_load import load_config
 from cluster.scaling import PlacementError, check_topology, role_specs, sort_bundles_by_node, trainer_specs
 
 ROOT = Path(__file__).resolve().parents[2]

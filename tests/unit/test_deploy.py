@@ -34,7 +34,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from cluster.config import JobConfig, load_config
+from cluster.config import JobConfig
+from cluster.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "kimi_k3_rayjob.yaml"

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config, resolve_for_machine
+from cluster.config import ConfigError, resolve_for_machine
+from cluster.config_load import load_config
 from cluster.hardware import CpuInfo, cpu_quota, read_cpu
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
+from cluster.config_load import load_config
 from cluster.data import check_eval_sets, load_prompts
 from dspark.prompts import cap_per_category
 
@@ -81,28 +82,35 @@ def saved_checkpoint(root: Path, ledger_state: dict) -> None:
 
 
 def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
-    from cluster.job import TrainingJob
-    from cluster.data import SampleLedger
+    from cluster.data import ProducedSample, SampleLedger
+    from cluster.store import SampleRef
+    from cluster.job.recovery import check_resume_plan
+    from cluster.training import CheckpointDir
 
-    def job(*overrides, run="r"):
-        cfg = load_config(ROOT / "configs" / "local.yaml",
-                          [f"output_dir={tmp_path}", f"run_name={run}", "logging.wandb_mode=disabled", *overrides])
-        j = TrainingJob(cfg)
-        j.train_prompts, j.heldout = load_prompts(cfg)
-        return j
+    class Job:
+        def __init__(self, *overrides, run="r"):
+            self.cfg = load_config(ROOT / "configs" / "local.yaml",
+                                   [f"output_dir={tmp_path}", f"run_name={run}", "logging.wandb_mode=disabled", *overrides])
+            self.run_dir = self.cfg.run_dir
+            self.train_prompts, self.heldout = load_prompts(self.cfg)
 
+        def check_resume_plan(self):
+            return check_resume_plan(self.cfg, CheckpointDir(self.run_dir / "checkpoints"),
+                                     {c.id for c in self.train_prompts}, {c.id for c in self.heldout})
+
+    job = Job
     first = job("data.max_prompts_per_category=4", "data.epochs=2")
     ledger = SampleLedger([{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2,
                           reuse_across_epochs=True)
     handed = ledger.request_prompts("r0", 1000)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
+    ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0)) for p in handed])
     for step in (1, 2):  # every sample of an epoch in one step, trained once it commits
         ledger.lease_step(step, ["g0"], 10**6)
     saved_checkpoint(first.run_dir, ledger.checkpoint_state(2))
 
-    first.check_resume_plan()  # the same plan
+    assert first.check_resume_plan() == first.run_dir / "checkpoints" / "step-000001"  # the same plan
     job("data.max_prompts_per_category=4", "data.epochs=3").check_resume_plan()  # a plan that only adds
-    job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan()  # a fresh start
+    assert job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan() is None  # fresh
     trained = {c.id for c in first.train_prompts}
     fewer = job("data.max_prompts_per_category=3", "data.epochs=2")
     dropped = sorted(f"{i}@{e}" for i in trained - {c.id for c in fewer.train_prompts} for e in (0, 1))

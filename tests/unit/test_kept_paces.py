@@ -1,4 +1,4 @@
-"""The paces a probe measured, kept for later runs on the same machine (`cluster.job.kept_paces`):
+"""The paces a probe measured, kept for later runs on the same machine (`cluster.box.kept_paces`):
 what is kept comes back for the same key within its age and never for another key, a later or
 an earlier clock; a file or an entry that cannot be read means a probe, and is rewritten."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from cluster.config import load_config
+from cluster.box import Paces
+from cluster.box.kept_paces import keep_paces, kept_paces, paces_key
+from cluster.config_load import load_config
 from cluster.hardware import CpuInfo
-from cluster.job.kept_paces import keep_paces, kept_paces, paces_key
-from cluster.scaling import Paces
 
 PACES = Paces({1: 215.0, 2: 290.1}, {1: 1.19, 2: 0.87}, {2: 0.69}, source="probe")
 T0 = 1_800_000_000.0  # a clock reading, seconds since the epoch

@@ -4,17 +4,36 @@ several groups; and the global step's assembly (own group first, borrowing from 
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import dataclass
 
 import pytest
 
-from cluster.data import FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, SampleLedger, balance, quarantined
+from cluster.data import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, ProducedSample, PromptTask, SampleLedger,
+                          balance, quarantined)
 from cluster.data import ExactlyOnceViolation, TrainingRecord
-from cluster.training import TrainedSample
+from cluster.store import SampleRef
 
 
 def prompts(n):
     return [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Ref(SampleRef):
+    """A sample's ref of the size the test says (a real one's follows from its shapes)."""
+
+    size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+
+def stored(p: PromptTask, tokens: int = 5, nbytes: int = 1) -> ProducedSample:
+    """`p`'s sample, stored: `tokens` long, `nbytes` in the store."""
+    return ProducedSample(p.uid, Ref(p.key, tokens, (), 0, size=nbytes))
 
 
 def produce(ledger, replica, n, rng, fail_rate=0.0, group="g0", nbytes=1000):
@@ -22,9 +41,9 @@ def produce(ledger, replica, n, rng, fail_rate=0.0, group="g0", nbytes=1000):
     results = []
     for p in handed:
         if rng.random() < fail_rate:
-            results.append({"uid": p["uid"], "error": "boom"})
+            results.append(ProducedSample(p.uid, error="boom"))
         else:
-            results.append({"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": rng.randint(5, 50), "nbytes": nbytes})
+            results.append(stored(p, rng.randint(5, 50), nbytes))
     return handed, results
 
 
@@ -63,7 +82,7 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         if action < 0.35:
             if replica not in in_flight:
                 in_flight[replica] = produce(ledger, replica, rng.randint(1, 6), rng, 0.1, groups[replica])[1]
-                store.update(r["ref"]["key"] for r in in_flight[replica] if "ref" in r)  # puts land before the report
+                store.update(r.ref.key for r in in_flight[replica] if r.ref)  # puts land before the report
         elif action < 0.6 and in_flight:
             r = rng.choice(sorted(in_flight))
             ledger.report_produced(r, in_flight.pop(r))
@@ -74,16 +93,16 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
         elif action < 0.64:
             generation += 1
             ledger.master_restarted(generation)
-            lost_with_master.update(r["ref"]["key"] for rs in in_flight.values() for r in rs if "ref" in r)
+            lost_with_master.update(r.ref.key for rs in in_flight.values() for r in rs if r.ref)
             store.clear()
         elif action < 0.85:
             lease = ledger.lease_step(step + 1, rank_groups, batch_tokens=60)
             if lease:
-                gone = [r["uid"] for rows in lease for r in rows if r["ref"]["key"] not in store | lost_with_master]
+                gone = [r.uid for rows in lease for r in rows if r.ref.key not in store | lost_with_master]
                 assert not gone, f"leased samples whose objects were removed: {gone}"
                 step += 1
                 for rank, rows in enumerate(lease):  # what each rank "trained"
-                    record.add(step, rank, rank_groups[rank], [TrainedSample(r["uid"], r["group"]) for r in rows])
+                    record.add(step, rank, rank_groups[rank], rows)
         elif action < 0.95:
             commit()
         else:  # trainer crash: the model goes back to the checkpoint, the ledger and the record follow it
@@ -111,10 +130,10 @@ def test_step_takes_own_group_first_then_borrows_from_a_deep_queue():
     ledger.report_produced("a", res)
     lease = ledger.lease_step(1, ["g0", "g1"], batch_tokens=60)
     g0_rows, g1_rows = lease
-    assert g0_rows and all(r["group"] == "g0" for r in g0_rows)
-    assert sum(ledger.entries[r["uid"]].tokens for r in g0_rows) <= 60 or len(g0_rows) == 1  # its own budget first
-    assert g1_rows and all(r["group"] == "g0" for r in g1_rows)  # g1 had nothing: borrowed from g0's deep queue
-    assert all(ledger.entries[r["uid"]].crossed for r in g1_rows) and not any(ledger.entries[r["uid"]].crossed for r in g0_rows)
+    assert g0_rows and all(r.group == "g0" for r in g0_rows)
+    assert sum(ledger.entries[r.uid].tokens for r in g0_rows) <= 60 or len(g0_rows) == 1  # its own budget first
+    assert g1_rows and all(r.group == "g0" for r in g1_rows)  # g1 had nothing: borrowed from g0's deep queue
+    assert all(ledger.entries[r.uid].crossed for r in g1_rows) and not any(ledger.entries[r.uid].crossed for r in g0_rows)
     assert ledger.lease_step(1, ["g0", "g1"], batch_tokens=60) == lease  # idempotent
 
 
@@ -153,19 +172,19 @@ def test_backpressure_hysteresis():
 def test_epoch_order_and_stale_reports():
     ledger = SampleLedger(prompts(3), epochs=2)
     first = ledger.request_prompts("r0", 10)
-    assert [p["uid"] for p in first] == ["p0@0", "p1@0", "p2@0"]  # epoch 1 waits for epoch 0
+    assert [p.uid for p in first] == ["p0@0", "p1@0", "p2@0"]  # epoch 1 waits for epoch 0
     ledger.replica_died("r0")
-    ledger.report_produced("r0", [{"uid": "p0@0", "ref": {"key": "k"}, "tokens": 3, "nbytes": 1}])
+    ledger.report_produced("r0", [ProducedSample("p0@0", Ref("k", 3, (), 0, size=1))])
     assert ledger.entries["p0@0"].state == PENDING  # a dead replica's late report is ignored
     again = ledger.request_prompts("r1", 10)
-    assert again[0]["key"] != first[0]["key"]  # a regenerated sample gets a fresh key
+    assert again[0].key != first[0].key  # a regenerated sample gets a fresh key
 
 
 def test_failures_are_final_and_reported(tmp_path):
     ledger = SampleLedger(prompts(1), max_attempts=2)
     for _ in range(2):
         p = ledger.request_prompts("r0", 1)
-        ledger.report_produced("r0", [{"uid": p[0]["uid"], "error": "corrupt"}])
+        ledger.report_produced("r0", [ProducedSample(p[0].uid, error="corrupt")])
     assert ledger.entries["p0@0"].state == FAILED
     assert TrainingRecord(tmp_path / "r.jsonl").verify(ledger.outcome())["failed"] == ["p0@0"]
 
@@ -179,11 +198,11 @@ def test_unfinished_ledger_does_not_verify(tmp_path):
 def test_lease_is_idempotent_and_balanced():
     ledger = SampleLedger(prompts(8))
     p = ledger.request_prompts("r0", 8)
-    ledger.report_produced("r0", [{"uid": x["uid"], "ref": {"key": x["key"]}, "tokens": 10 * (i + 1), "nbytes": 1}
+    ledger.report_produced("r0", [stored(x, 10 * (i + 1), 1)
                                   for i, x in enumerate(p)])
     a = ledger.lease_step(1, ["g0", "g0"], 1000)
     assert a == ledger.lease_step(1, ["g0", "g0"], 1000)
-    loads = [sum(ledger.entries[r["uid"]].tokens for r in rank) for rank in a]
+    loads = [sum(ledger.entries[r.uid].tokens for r in rank) for rank in a]
     assert abs(loads[0] - loads[1]) <= 10
     assert all(e.state == LEASED for e in ledger.entries.values())
     ledger.trainer_restarted(0)
@@ -202,34 +221,34 @@ def test_duplicate_ids_rejected():
 def test_greedy_epochs_reuse_stored_samples():
     ledger = SampleLedger(prompts(3), epochs=3, reuse_across_epochs=True)
     handed = ledger.request_prompts("r0", 10)
-    assert [p["uid"] for p in handed] == ["p0@0", "p1@0", "p2@0"]
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
+    assert [p.uid for p in handed] == ["p0@0", "p1@0", "p2@0"]
+    ledger.report_produced("r0", [stored(p, 5, 1) for p in handed])
     removed = []
     for step in range(1, 4):  # no commit in between: the next epoch is available at once
         lease = ledger.lease_step(step, ["g0"], 1000)
-        assert sorted(r["ref"]["key"] for r in lease[0]) == sorted(p["key"] for p in handed)
+        assert sorted(r.ref.key for r in lease[0]) == sorted(p.key for p in handed)
         assert ledger.request_prompts("r0", 10) == []  # nothing is ever regenerated
     assert ledger.lease_step(4, ["g0"], 1000) is None
     for step in range(1, 4):
         removed += ledger.commit(step)
-    assert sorted(removed) == sorted(p["key"] for p in handed)  # dropped after the last epoch only
+    assert sorted(removed) == sorted(p.key for p in handed)  # dropped after the last epoch only
     assert not ledger.outcome()["unfinished"] and ledger.counts().trained == 9
 
 
 def test_later_epochs_wait_for_every_sample_of_the_current_one():
     ledger = SampleLedger(prompts(6), epochs=2, reuse_across_epochs=True)
     first = ledger.request_prompts("r0", 2)  # a slow replica: only two samples exist so far
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in first])
+    ledger.report_produced("r0", [stored(p, 5, 1) for p in first])
     lease = ledger.lease_step(1, ["g0"], 1000)
-    assert sorted(r["uid"] for r in lease[0]) == ["p0@0", "p1@0"]
+    assert sorted(r.uid for r in lease[0]) == ["p0@0", "p1@0"]
     assert ledger.counts().to_generate == 4  # the rest of epoch 0; epoch 1 reuses it all
     assert ledger.queued_bytes() == 2  # leased p0@0 and stored p0@1 are one object in the store
     assert ledger.entries["p0@1"].state == STORED  # its next epoch reuses the sample...
     assert ledger.lease_step(2, ["g0"], 1000) is None  # ...but waits until epoch 0 is all leased
     rest = ledger.request_prompts("r0", 10)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in rest])
-    assert sorted(r["uid"] for r in ledger.lease_step(2, ["g0"], 1000)[0]) == [f"p{i}@0" for i in range(2, 6)]
-    epoch1 = [r["uid"] for r in ledger.lease_step(3, ["g0"], 1000)[0]]
+    ledger.report_produced("r0", [stored(p, 5, 1) for p in rest])
+    assert sorted(r.uid for r in ledger.lease_step(2, ["g0"], 1000)[0]) == [f"p{i}@0" for i in range(2, 6)]
+    epoch1 = [r.uid for r in ledger.lease_step(3, ["g0"], 1000)[0]]
     assert sorted(epoch1) == [f"p{i}@1" for i in range(6)]
     assert epoch1 == [u for u in ledger.order if u.endswith("@1")]
     assert epoch1 != sorted(epoch1)  # shuffled, deterministically by the seed
@@ -241,14 +260,14 @@ def test_a_full_store_lifts_the_epoch_wait():
     # producers (paused) and the trainer (waiting for epoch 0) would wait on each other.
     ledger = SampleLedger(prompts(4), epochs=2, reuse_across_epochs=True, watermarks={"g0": (2000, 0)})
     first = ledger.request_prompts("r0", 2)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1000} for p in first])
+    ledger.report_produced("r0", [stored(p, 5, 1000) for p in first])
     assert ledger.request_prompts("r0", 2) == []  # paused
     ledger.lease_step(1, ["g0"], 1000)
     ledger.commit(1)
     assert ledger.counts().paused  # epoch 1 still holds both samples
     lease = ledger.lease_step(2, ["g0"], 1000)
-    assert sorted(r["uid"] for r in lease[0]) == ["p0@1", "p1@1"]
-    assert sorted(ledger.commit(2)) == sorted(p["key"] for p in first)
+    assert sorted(r.uid for r in lease[0]) == ["p0@1", "p1@1"]
+    assert sorted(ledger.commit(2)) == sorted(p.key for p in first)
     assert len(ledger.request_prompts("r0", 2)) == 2  # room again
 
 
@@ -257,9 +276,9 @@ def test_released_samples_leave_the_store_after_their_step_and_are_regenerated_o
     _, res = produce(ledger, "r0", 3, random.Random(0))  # 3,000 bytes held: producers pause
     ledger.report_produced("r0", res)
     assert ledger.counts().paused
-    leased = [r["uid"] for r in ledger.lease_step(1, ["g0"], 10_000)[0]]
+    leased = [r.uid for r in ledger.lease_step(1, ["g0"], 10_000)[0]]
     keys = ledger.release(1)  # trainer.release_samples=after_step
-    assert sorted(keys) == sorted(ledger.entries[u].ref["key"] for u in leased) and ledger.queued_bytes() == 0
+    assert sorted(keys) == sorted(ledger.entries[u].ref.key for u in leased) and ledger.queued_bytes() == 0
     assert not ledger.counts().paused  # the bytes are gone: producers go on before the checkpoint
     assert ledger.release(1) == []  # once
     ledger.trainer_restarted(0)  # the model went back before step 1: those samples must be generated again
@@ -279,11 +298,11 @@ def test_commit_does_not_hand_back_released_keys():
 def test_no_rank_gets_more_than_its_budget():
     ledger = SampleLedger(prompts(3))
     handed = ledger.request_prompts("r0", 3)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": t, "nbytes": 1}
+    ledger.report_produced("r0", [stored(p, t, 1)
                                   for p, t in zip(handed, (90, 90, 20))])
     lease = ledger.lease_step(1, ["g0", "g0"], batch_tokens=100)
-    assert sorted(sum(ledger.entries[r["uid"]].tokens for r in rows) for rows in lease) == [90, 90]
-    assert [r["uid"] for r in ledger.lease_step(2, ["g0", "g0"], 100)[0]] == ["p2@0"]  # the 20 waits for the next step
+    assert sorted(sum(ledger.entries[r.uid].tokens for r in rows) for rows in lease) == [90, 90]
+    assert [r.uid for r in ledger.lease_step(2, ["g0", "g0"], 100)[0]] == ["p2@0"]  # the 20 waits for the next step
 
 
 def test_a_reused_sample_lost_after_its_predecessor_was_leased_is_regenerated():
@@ -292,21 +311,21 @@ def test_a_reused_sample_lost_after_its_predecessor_was_leased_is_regenerated():
     # would wait for it forever at the end of the data.
     ledger = SampleLedger(prompts(1), epochs=2, reuse_across_epochs=True)
     handed = ledger.request_prompts("r0", 1)
-    ledger.report_produced("r0", [{"uid": handed[0]["uid"], "ref": {"key": handed[0]["key"]}, "tokens": 5, "nbytes": 1}])
+    ledger.report_produced("r0", [stored(handed[0], 5, 1)])
     ledger.lease_step(1, ["g0"], 100)  # p0@0 leased, p0@1 inherits its sample
-    assert ledger.lease_step(2, ["g0"], 100)[0][0]["uid"] == "p0@1"
+    assert ledger.lease_step(2, ["g0"], 100)[0][0].uid == "p0@1"
     ledger.release_lease(2, ["p0@1"])  # gone from the store
-    assert ledger.to_generate() == 1 and [p["uid"] for p in ledger.request_prompts("r0", 5)] == ["p0@1"]
+    assert ledger.to_generate() == 1 and [p.uid for p in ledger.request_prompts("r0", 5)] == ["p0@1"]
 
 
 def generate_with_poison(ledger, poison: str, deaths: int) -> tuple[list[dict], int]:
     """One request of replica r<deaths>: it dies if `poison` is in its batch (the prompts go
     back), else it stores them all. Returns what it was handed and the deaths so far."""
     handed = ledger.request_prompts(f"r{deaths}", 4)
-    if any(p["id"] == poison for p in handed):
+    if any(p.id == poison for p in handed):
         ledger.replica_died(f"r{deaths}", "segfault")
         return handed, deaths + 1
-    ledger.report_produced(f"r{deaths}", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1}
+    ledger.report_produced(f"r{deaths}", [stored(p, 5, 1)
                                           for p in handed])
     return handed, deaths
 
@@ -355,10 +374,10 @@ def test_a_poison_prompt_is_quarantined_in_every_epoch(reuse):
 def test_a_non_finite_step_leases_its_samples_again_without_regenerating_them():
     ledger = SampleLedger(prompts(2), max_attempts=2)
     handed = ledger.request_prompts("r0", 2)
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1} for p in handed])
+    ledger.report_produced("r0", [stored(p, 5, 1) for p in handed])
     for step in (1, 2):
         rows = ledger.lease_step(step, ["g0"], 100)[0]
-        assert [r["uid"] for r in rows] == ["p0@0", "p1@0"]
+        assert [r.uid for r in rows] == ["p0@0", "p1@0"]
         ledger.release_lease(step, {"p0@0": "non-finite loss on rank 0"}, regenerate=False)
         assert ledger.request_prompts("r0", 2) == []  # nothing to regenerate: the data is fine
     assert ledger.entries["p0@0"].state == FAILED and ledger.entries["p1@0"].state == STORED
@@ -371,13 +390,13 @@ def test_a_batch_never_overfills_the_store():
     ledger = SampleLedger(prompts(40), watermarks={"g0": (10_000, 5_000)}, sample_bytes_estimate=4000)
     first = ledger.request_prompts("r0", 16)
     assert len(first) == 2
-    ledger.report_produced("r0", [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 1000} for p in first])
+    ledger.report_produced("r0", [stored(p, 5, 1000) for p in first])
     second = ledger.request_prompts("r0", 16)
     assert len(second) == 8  # 10,000 - 2,000 held = 8 samples of 1,000
     assert ledger.request_prompts("r1", 16) == []  # 2,000 held + 8 in generation: no room
     ledger.replica_died("r0")  # its 8 go back (to be retried alone, after the others)
     third = ledger.request_prompts("r1", 16)
-    assert len(third) == 8 and not {p["uid"] for p in third} & {p["uid"] for p in second}
+    assert len(third) == 8 and not {p.uid for p in third} & {p.uid for p in second}
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -389,18 +408,18 @@ def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
                           reserved=[{"id": f"cal{i}", "messages": []} for i in range(2)])
     first = ledger.request_prompts("r0", 3)
     # still to generate: 3 in generation, 2 reserved (and without reuse, epoch 1's 3)
-    assert [p["uid"] for p in first] == ["p0@0", "p1@0", "p2@0"] and ledger.to_generate() == (5 if reuse else 8)
+    assert [p.uid for p in first] == ["p0@0", "p1@0", "p2@0"] and ledger.to_generate() == (5 if reuse else 8)
     second = ledger.request_prompts("r1", 10)  # (epoch 1 waits for epoch 0's answers)
-    assert [p["uid"] for p in second] == ["cal0@-1", "cal1@-1"]
+    assert [p.uid for p in second] == ["cal0@-1", "cal1@-1"]
     ledger.replica_died("r1")
     assert ledger.reserved_waiting() == 2 and ledger.reserved_rows() == []
     third = ledger.request_prompts("r2", 1)  # retried alone, as any prompt of a dead replica
-    assert [p["uid"] for p in third] == ["cal0@-1"]
-    report = lambda handed: [{"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": 5, "nbytes": 100} for p in handed]  # noqa: E731
+    assert [p.uid for p in third] == ["cal0@-1"]
+    report = lambda handed: [stored(p, 5, 100) for p in handed]  # noqa: E731
     ledger.report_produced("r0", report(first))
     ledger.report_produced("r2", report(third))
     ledger.report_produced("r3", report(ledger.request_prompts("r3", 1)))
-    assert [r["uid"] for r in ledger.reserved_rows()] == ["cal0@-1", "cal1@-1"] and ledger.reserved_waiting() == 0
+    assert [r.uid for r in ledger.reserved_rows()] == ["cal0@-1", "cal1@-1"] and ledger.reserved_waiting() == 0
     assert ledger.queued_bytes("g0") == 5 * 100 and ledger.counts().stored == 3 and ledger.counts().total == 6
     step = 0
     while not ledger.drained():
@@ -408,13 +427,13 @@ def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
             ledger.report_produced("r4", report(ledger.request_prompts("r4", 10)))
         step += 1
         leased = ledger.lease_step(step, ["g0"], 1000)
-        assert leased and not any(r["uid"].endswith("@-1") for r in leased[0])
+        assert leased and not any(r.uid.endswith("@-1") for r in leased[0])
         ledger.commit(step)
     assert sorted(ledger.outcome()["trained"]) == sorted(f"p{i}@{e}" for i in range(3) for e in range(2))
     assert not ledger.outcome()["unfinished"] and ledger.counts().trained == 6
     resumed = SampleLedger(prompts(3), epochs=2, reserved=[{"id": "cal0", "messages": []}])
     resumed.load_state_dict(ledger.state_dict())
-    assert resumed.reserved_waiting() == 1 and [p["uid"] for p in resumed.request_prompts("r0", 5)] == ["cal0@-1"]
+    assert resumed.reserved_waiting() == 1 and [p.uid for p in resumed.request_prompts("r0", 5)] == ["cal0@-1"]
 
 
 def test_reserved_ids_must_differ_from_the_training_ids():
@@ -426,8 +445,60 @@ def test_handing_out_thousands_keeps_the_order_through_the_pools_compaction():
     # The pending pool is rebuilt once more than 1024 of its keys are gone: the order it hands
     # prompts out in is the same before and after (epoch 0 in generation order).
     ledger = SampleLedger(prompts(3000), epochs=2)
-    handed = [p["uid"] for _ in range(30) for p in ledger.request_prompts("r0", 100)]
+    handed = [p.uid for _ in range(30) for p in ledger.request_prompts("r0", 100)]
     assert handed == [f"p{i}@0" for i in range(3000)]
     ledger.replica_died("r0")  # all 3000 back to pending (in ledger order), retried alone first...
     first = ledger.request_prompts("r1", 5)
-    assert [p["uid"] for p in first] == ["p0@0"]  # ...suspects go one at a time
+    assert [p.uid for p in first] == ["p0@0"]  # ...suspects go one at a time
+
+
+# A checkpoint's ledger.json as the ledger wrote it before a sample's ref travelled typed
+# (written by that code: cluster/data/ledger*.py before issue 49): p0 trained (a vLLM replica's
+# ref, with a file backend's `path` beside it), p1 stored (the replay producer's), p2 failed.
+SAVED_BEFORE_TYPED_REFS = (
+    '{"epochs": 1, "committed_step": 1, "master_generation": 0, "totals": {"produced_samples": 2, "produced_tokens": 16, '
+    '"produced_bytes": 720, "trained_samples": 1, "trained_tokens": 7, "crossed_samples": 0}, "group_totals": {"g0": '
+    '{"produced_samples": 2, "produced_tokens": 16, "produced_bytes": 720, "trained_samples": 1, "trained_tokens": 7, '
+    '"crossed_samples": 0}}, "entries": [{"prompt_id": "p0", "epoch": 0, "state": "trained", "group": "g0", "ref": '
+    '{"key": "run/g0/p0@0.1", "num_tokens": 7, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "bfloat16", "path": null}, '
+    '"tokens": 7, "nbytes": 263, "step": 1, "rank": 0, "crossed": false, "released": false, "attempts": 1, "errors": [], '
+    '"trained_at_step": 1}, {"prompt_id": "p1", "epoch": 0, "state": "stored", "group": "g0", "ref": {"key": '
+    '"run/g0/p1@0.1", "num_tokens": 9, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "float32"}, "tokens": 9, '
+    '"nbytes": 457, "step": null, "rank": null, "crossed": false, "released": false, "attempts": 1, "errors": [], '
+    '"trained_at_step": null}, {"prompt_id": "p2", "epoch": 0, "state": "failed", "group": "g0", "ref": null, '
+    '"tokens": 0, "nbytes": 0, "step": null, "rank": null, "crossed": false, "released": false, "attempts": 1, '
+    '"errors": ["render: too long"], "trained_at_step": null}]}')
+
+
+def test_a_checkpoint_written_before_typed_refs_loads_and_is_saved_in_the_same_json():
+    before = json.loads(SAVED_BEFORE_TYPED_REFS)
+    ledger = SampleLedger(prompts(3), max_attempts=1)
+    assert ledger.load_state_dict(before) == ["run/g0/p0@0.1", "run/g0/p1@0.1"]  # what may linger in the store
+    assert ledger.entries["p0@0"].state == TRAINED and ledger.entries["p2@0"].state == FAILED
+    assert ledger.entries["p0@0"].ref == SampleRef("run/g0/p0@0.1", 7, (1, 3), 4, "bfloat16")
+    assert ledger.entries["p1@0"].state == PENDING and ledger.entries["p1@0"].attempts == 1  # in flight: again
+    after = json.loads(json.dumps(ledger.checkpoint_state(1)))
+    assert {k: v for k, v in after.items() if k != "entries"} == {k: v for k, v in before.items() if k != "entries"}
+    rows = {d["prompt_id"]: d for d in after["entries"]}
+    assert list(rows["p0"]) == list(before["entries"][0])  # the same fields in the same order
+    # the same row, but the file path nobody read (a ref is its key and shapes); a loaded trained
+    # entry holds no bytes in the store (so it was before: load_state_dict does not restore nbytes)
+    ref = {k: v for k, v in before["entries"][0]["ref"].items() if k != "path"}
+    assert rows["p0"] == {**before["entries"][0], "ref": ref, "nbytes": 0}
+    assert rows["p2"] == before["entries"][2]
+    # and a state saved now loads into a fresh ledger and is saved again unchanged
+    fresh = SampleLedger(prompts(3), max_attempts=1)
+    fresh.load_state_dict(json.loads(json.dumps(after)))
+    assert json.loads(json.dumps(fresh.checkpoint_state(1))) == after
+
+
+def test_a_stored_ref_is_saved_as_its_fields_and_leased_as_it_was_reported():
+    ledger = SampleLedger(prompts(1))
+    [p] = ledger.request_prompts("r0", 1)
+    ref = SampleRef(p.key, 7, (1, 3), 4, "float32")
+    ledger.report_produced("r0", [ProducedSample(p.uid, ref)])
+    assert ledger.entries[p.uid].tokens == 7 and ledger.entries[p.uid].nbytes == ref.nbytes
+    [[leased]] = ledger.lease_step(1, ["g0"], 100)
+    assert leased.ref is ref and leased.group == "g0"  # the very ref, no round trip
+    [row] = json.loads(json.dumps(ledger.checkpoint_state(1)))["entries"]
+    assert row["ref"] == {"key": p.key, "num_tokens": 7, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "float32"}

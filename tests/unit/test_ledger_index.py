@@ -12,9 +12,10 @@ import random
 
 import pytest
 
-from cluster.data import SampleLedger
+from cluster.data import ProducedSample, PromptTask, SampleLedger
 from cluster.data.ledger_index import StoredQueue, rebuilt
-from tests.ledger_reference.ledger import SampleLedger as ReferenceLedger
+from cluster.store import SampleRef
+from tests.ledger_reference.typed import TypedReferenceLedger as ReferenceLedger
 
 GROUPS = ("g0", "g1", "g2")
 
@@ -50,7 +51,7 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
     """Random calls on both ledgers; returns how many samples ended trained."""
     rng = random.Random(seed)
     new, ref = make(SampleLedger, n, epochs, reuse, seed), make(ReferenceLedger, n, epochs, reuse, seed)
-    handed: dict[str, list[dict]] = {}  # replica -> prompts it holds
+    handed: dict[str, list[PromptTask]] = {}  # replica -> prompts it holds
     step = committed = 0
     shortened = False
 
@@ -69,9 +70,10 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
                 handed[replica] = both("request_prompts", replica, rng.randint(1, 6), g)
         elif op < 0.55 and handed:
             replica = rng.choice(sorted(handed))
-            results = [{"uid": p["uid"], "error": "boom"} if rng.random() < 0.05 else
-                       {"uid": p["uid"], "ref": {"key": p["key"]}, "tokens": rng.randint(5, 60),
-                        "nbytes": rng.choice((600, 900, 1200))} for p in handed.pop(replica)]
+            # samples of 5-60 tokens, 0.2-1.7 kB (one float32 layer 4-6 wide)
+            results = [ProducedSample(p.uid, error="boom") if rng.random() < 0.05 else
+                       ProducedSample(p.uid, SampleRef(p.key, rng.randint(5, 60), (0,), rng.choice((4, 5, 6)), "float32"))
+                       for p in handed.pop(replica)]
             both("report_produced", replica, results)
         elif op < 0.58 and handed:
             both("replica_died", handed.pop(rng.choice(sorted(handed))), "killed")
@@ -82,7 +84,7 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
                 if rng.random() < 0.3:
                     both("release", step)
                 if rng.random() < 0.1:
-                    leased = [r["uid"] for rows in new.lease_step(step, ranks, 0) for r in rows]
+                    leased = [r.uid for rows in new.lease_step(step, ranks, 0) for r in rows]
                     both("release_lease", step, rng.sample(leased, 1), "unreadable", rng.random() < 0.5)
                     step -= 1
         elif op < 0.90 and step > committed:

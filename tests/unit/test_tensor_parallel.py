@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError
 from cluster.config_checks import check_against_target
+from cluster.config_load import load_config
 from cluster.errors import last_exception_line
 from cluster.inference import executor_backend, omp_bind_per_rank
 
@@ -102,20 +103,57 @@ class StartFailure(Exception):
 
 def test_a_start_up_error_that_repeats_ends_the_group_at_once():
     from cluster.inference import Replica, ReplicaFailure, ReplicaPool
+    from cluster.restart_budget import RestartBudget
 
     ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})  # a LedgerClient
     pool = ReplicaPool("g0", spec=None, ledger=ledger, services=None, role=None, run_name="t", placement_timeout_s=1,
-                       max_restarts=5, backoff_s=0.0)
+                       restarts=RestartBudget(5, 3600.0), backoff_s=0.0)
     same = "EngineStartError: vLLM engine did not start: a worker process failed to start: ValueError: bad arch"
     pool.ray = FakeRay({"s0": StartFailure(same), "s1": RuntimeError("node lost"), "s2": StartFailure(same)})
     pool.start = lambda placed, owned=False: None  # replacements are not started here
     pool.replicas["g0-r0"] = Replica("a0", "s0", placed=None, owned=False)
     pool.supervise()  # the first start-up failure: replaced, within the restart budget
-    assert pool.restarts == 1
+    assert pool.restarts.total == 1
     pool.replicas["g0-r1"] = Replica("a1", "s1", placed=None, owned=False)
     pool.supervise()  # a death that is not a start-up failure: replaced
-    assert pool.restarts == 2
+    assert pool.restarts.total == 2
     pool.replicas["g0-r2"] = Replica("a2", "s2", placed=None, owned=False)
     with pytest.raises(ReplicaFailure, match=r"failed to start with the same error as an earlier one.*ValueError: bad arch"):
         pool.supervise()
-    assert pool.restarts == 2  # not another restart
+    assert pool.restarts.total == 2  # not another restart
+
+
+def test_replica_deaths_every_few_minutes_for_days_do_not_end_the_group_a_crash_loop_does():
+    """The restart budget is a rate (`inference.max_replica_restarts` per
+    `inference.restart_window_s`): a replica dying every 20 minutes for three simulated days is
+    replaced every time (216 deaths against a budget of 5); five deaths within a minute, then a
+    sixth, end the group with the last cause and the window named."""
+    from cluster.inference import Replica, ReplicaFailure, ReplicaPool
+    from cluster.restart_budget import RestartBudget
+
+    now = [0.0]
+    ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})
+    pool = ReplicaPool("g0", spec=None, ledger=ledger, services=None, role=None, run_name="t", placement_timeout_s=1,
+                       restarts=RestartBudget(5, 3600.0, clock=lambda: now[0]), backoff_s=0.0)
+    errors = {}
+    pool.ray = FakeRay(errors)
+    started = []
+    pool.start = lambda placed, owned=False: started.append(placed)
+    for death in range(3 * 24 * 3):  # every 20 minutes for three days
+        now[0] = death * 1200.0
+        errors[f"s{death}"] = RuntimeError(f"node lost ({death})")
+        pool.replicas[f"g0-r{death}"] = Replica(f"a{death}", f"s{death}", placed=f"pg{death}", owned=False)
+        pool.supervise()
+    assert pool.restarts.total == 216 and len(started) == 216 and pool.restarts.recent() == 3
+
+    for k in range(4):  # a crash loop: two of the window's five are left after the last scattered deaths
+        now[0] += 5.0
+        errors[f"loop{k}"] = RuntimeError("CUDA error: an illegal memory access")
+        pool.replicas[f"g0-l{k}"] = Replica(f"l{k}", f"loop{k}", placed="pgl", owned=False)
+        if k < 2:
+            pool.supervise()
+            continue
+        with pytest.raises(ReplicaFailure, match=r"replicas died 6 times within 3600 s \(inference\.max_replica_restarts=5 "
+                                                 r"per inference\.restart_window_s\); last: .*illegal memory access"):
+            pool.supervise()
+        break

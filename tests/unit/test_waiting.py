@@ -60,22 +60,55 @@ def test_the_trainers_wait_for_data_has_a_deadline_counted_from_its_last_step_or
 
     from cluster.config import JobConfig
     from cluster.data import GroupCounts, LedgerCounts
-    from cluster.job.loop import wait_for_data
+    from cluster.job.loop import TrainingLoop
 
     cfg = JobConfig()
     cfg.trainer.data_timeout_s = 100.0
     counts = LedgerCounts(pending=3, generating=2, total=5, epochs=1, produced_samples=7,
                           groups={"g0": GroupCounts(generating=2)})
     now = time.monotonic()
-    job = SimpleNamespace(cfg=cfg, ledger=SimpleNamespace(counts=lambda: counts), uncommitted=[],
-                          produced_seen=7, produced_at=now - 500.0, waiting_since=None)
-    wait_for_data(job)  # the first wait: the count starts now
-    assert job.waiting_since >= now
-    job.waiting_since = now - 200.0
-    job.produced_at = now - 50.0  # a sample stored 50 s ago: still within the deadline
-    wait_for_data(job)
-    job.produced_at = now - 150.0
+    committer = SimpleNamespace(uncommitted=[])
+    loop = TrainingLoop(cfg.trainer, True, SimpleNamespace(counts=lambda: counts), gang=None, world=None,
+                        committer=committer, record=None, supervisor=None, reporter=None, planner=None, stats=None,
+                        control=None, events=None)
+    loop.produced_seen, loop.produced_at = 7, now - 500.0
+    loop.wait_for_data()  # the first wait: the count starts now
+    assert loop.waiting_since >= now
+    loop.waiting_since = now - 200.0
+    loop.produced_at = now - 50.0  # a sample stored 50 s ago: still within the deadline
+    loop.wait_for_data()
+    loop.produced_at = now - 150.0
     with pytest.raises(RuntimeError) as e:
-        wait_for_data(job)
+        loop.wait_for_data()
     assert "trainer.data_timeout_s=100" in str(e.value) and "3 pending" in str(e.value)
     assert "g0: 2 generating, 0 stored" in str(e.value)
+
+
+def test_a_free_port_is_not_one_chosen_but_not_bound_yet(monkeypatch):
+    """The kernel may hand the same free port to successive binds of port 0: `free_port` skips
+    the ports in `avoid` (a master's metrics port equal to its RPC port made it exit at every
+    start), and gives up with a message after its tries."""
+    import socket
+
+    from cluster.store import free_port
+
+    handed = iter([5001, 5001, 5002])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(handed)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(socket, "socket", FakeSocket)
+    assert free_port("127.0.0.1", avoid=(5001,)) == 5002
+    handed = iter([7, 7, 7])
+    with pytest.raises(RuntimeError, match=r"no free port on '127.0.0.1' outside \[7\] in 3 tries"):
+        free_port("127.0.0.1", avoid=(7,), tries=3)

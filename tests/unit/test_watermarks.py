@@ -3,7 +3,7 @@ store segment by need (their most replicas), instead of each taking the whole.""
 
 from __future__ import annotations
 
-from cluster.config import load_config
+from cluster.config_load import load_config
 from cluster.scaling import group_watermarks, groups_on_nodes
 
 

@@ -2,6 +2,11 @@
 config, the chat format its conversations are rendered with, and whether the configured
 inference backend can extract its hidden states. Each problem is a `ConfigError` naming the key
 to change and the dependency's own message.
+
+On the ground floor: the capacity plan (`cluster.scaling`), the box's plan (`cluster.box`), the
+inference room and the job all read the target, and vLLM's answer for the target's family
+(`vllm_class`, `capture_gap`) lives here too, so that the check needs no room; the inference
+room's capture model (`cluster.inference.capture_model`) builds on the same two functions.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from cluster.config_checks import check_against_target
 from cluster.preflight import check_target_path
 from dspark.chat import ChatFormat
 
-log = logging.getLogger("cluster.inference.target")
+log = logging.getLogger("cluster.target")
 
 PROBE_CONVERSATION = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
                       {"role": "user", "content": "How are you?"}]
@@ -79,12 +84,29 @@ def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:
     return chat
 
 
+def vllm_class(arch: str) -> type | None:
+    """vLLM's model class registered under `arch`, None if it has none."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    # A private loader (vLLM 0.32): the public resolver needs a whole ModelConfig.
+    return ModelRegistry._try_load_model_cls(arch)
+
+
+def capture_gap(cls: type) -> str | None:
+    """Why `cls` cannot capture hidden states, or None when it can."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    return None if supports_eagle3(cls) else (
+        f"vLLM's {cls.__name__} does not implement the aux-hidden-state interface (SupportsEagle3) that "
+        f"hidden-state capture needs")
+
+
 def vllm_extraction_gap(architectures: list[str]) -> str | None:
     """Why vLLM cannot export aux hidden states for this architecture (its model class lacks the
     EAGLE-3 aux-hidden-state interface `cluster.inference.capture_model` needs), or None when it can or
     when vLLM does not know the class here (a remote-code target: the replica will say)."""
     try:
-        from cluster.inference.capture_model import capture_gap, vllm_class
+        import vllm.model_executor.models.registry  # noqa: F401 - no vLLM here: nothing to ask
     except ImportError:
         return None
     for arch in architectures:

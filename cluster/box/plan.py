@@ -38,7 +38,7 @@ nor the cheaper later epochs, chose 12 prompts a category and lost 0.07 τ again
                  computes the target's full-vocabulary normaliser), the later epochs at
                  S/later_step_s[cores] (the normaliser cached), to the end of the window
     epochs       trained / U, at most `max_epochs`
-Pure: the paces are passed in (probed by the job at its start: `cluster.job.machine_paces`),
+Pure: the paces are passed in (probed by the job at its start: `machine_paces`),
 and tests inject them.
 """
 

@@ -1,5 +1,5 @@
 """`probe_paces`: what this machine does, measured in the driver before anything is placed, for
-the box's plan (`cluster.scaling.box_plan`).
+the box's plan (`plan`).
 
 - **Trainer**: the job's drafter (its config, the target's weights) on synthetic samples of the
   job's shapes (prompt + answer tokens; random hidden states of the target's layers, in its
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from cluster.scaling import Paces
+from cluster.box.plan import Paces
 
 # vLLM's CPU engine tokens/s over this probe's at the same batch (64) and threads, the local
 # target, greedy: on a 2-core Xeon (Ice Lake, family 6 model 106, fp32) `benchmarks/generation.py`'s

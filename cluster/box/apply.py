@@ -3,9 +3,8 @@ placed, and apply it to the config (`box_plan.enabled`).
 
 Reads what the plan needs (the training prompts per category before any cap, their mean length
 in the target's chat template, the cores this process may use: affinity and quota), probes the
-paces (`cluster.job.machine_paces`; or takes those a probe of this machine measured for the same
-shapes within `box_plan.keep_paces_s`: `cluster.job.kept_paces`), asks the pure
-`cluster.scaling.box_plan.choose_plan`, then
+paces (`machine_paces`; or takes those a probe of this machine measured for the same shapes
+within `box_plan.keep_paces_s`: `kept_paces`), asks the pure `plan.choose_plan`, then
 sets `data.max_prompts_per_category`, `sampling.max_tokens`, `inference.cpu_threads` and
 `trainer.torch_threads`. Returns what result.json records as `plan`.
 """
@@ -18,7 +17,7 @@ import time
 from collections import Counter
 
 from cluster.config import JobConfig
-from cluster.scaling import Choices, Workload, choose_plan, fit_evaluation, startup_seconds
+from cluster.box.plan import Choices, Workload, choose_plan, fit_evaluation, startup_seconds
 
 log = logging.getLogger("dspark.job")
 
@@ -55,8 +54,8 @@ def probe_or_kept(cfg: JobConfig, cpu, target_dir, prompt_tokens: int, answer_to
     machine was probed within `box_plan.keep_paces_s` for the same shapes, else a probe (kept)."""
     from dspark.targets import cache_root
 
-    from cluster.job.kept_paces import keep_paces, kept_paces, paces_key
-    from cluster.job.machine_paces import probe_paces
+    from cluster.box.kept_paces import keep_paces, kept_paces, paces_key
+    from cluster.box.machine_paces import probe_paces
 
     path, key = cache_root() / "box_paces.json", paces_key(cfg, cpu, target_dir, prompt_tokens, answer_tokens)
     kept = kept_paces(path, key, cfg.box_plan.keep_paces_s, time.time())
@@ -82,7 +81,7 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
         return None
     from cluster.data import load_prompts
     from cluster.hardware import busy_cores, read_cpu
-    from cluster.inference import read_target
+    from cluster.target import read_target
 
     box = cfg.box_plan
     uncapped = copy.deepcopy(cfg)

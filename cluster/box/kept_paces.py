@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from cluster.scaling import Paces
+from cluster.box.plan import Paces
 
 log = logging.getLogger("dspark.job")
 

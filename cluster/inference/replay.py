@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.data.ledger_rows import ProducedSample, PromptTask
-from cluster.inference import Producer
+from cluster.data import ProducedSample, PromptTask
+from cluster.inference.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry
 
 

@@ -1,8 +1,8 @@
 """`MooncakeHiddenStatesConnector`: a vLLM KV connector that writes each finished request's
 hidden states, token ids and loss mask straight into the Mooncake store (no disk).
 
-Loaded by vLLM through `kv_connector_module_path="cluster.store.hidden_states_connector"` together
-with the capturing target (`cluster.inference.capture_model`), which caches the chosen layers' states per
+Loaded by vLLM through `kv_connector_module_path="cluster.inference.hidden_states_connector"`
+together with the capturing target (`capture_model`, this room's too), which caches the chosen layers' states per
 token in a KV-cache-shaped buffer as it decodes. When a request finishes, the scheduler side of this
 connector plans a save (key, token ids, loss mask) and the worker side copies the request's
 rows out of that buffer and puts them into the store:
@@ -11,7 +11,9 @@ rows out of that buffer and puts them into the store:
   thread pool once the copy's event fires (the forward pass is not blocked).
 Only tensor-parallel rank 0 writes. The request's `kv_transfer_params` carry our inputs
 (`{"dspark": {"key": ..., "assistant_spans": [[start, end), ...]}}`) and come back with the
-`SampleRef` fields (key, shapes) for the caller to hand to the ledger.
+`SampleRef` fields (key, shapes; and a file backend's path) as a plain dict, since vLLM carries
+them across its engine processes; the replica (`InferenceActor.process`) makes them the
+`SampleRef` that goes on to the ledger as it is.
 
 Backends: `mooncake` (default) and `file`, which writes vLLM's on-disk format
 (`hidden_states`, `token_ids`) plus our `loss_mask` as one safetensors file per request, for
@@ -34,8 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.logger import init_logger
 
-from cluster.inference import LAYER_IDS_KEY
-from cluster.store.client import HiddenStateStore, put_with_retry
+from cluster.inference.capture_model import LAYER_IDS_KEY
+from cluster.store import HiddenStateStore, put_with_retry
 from dspark.samples import Sample, write_sample
 
 logger = init_logger(__name__)
