@@ -51,9 +51,19 @@ def judged_sets(cfg: JobConfig) -> dict[str, str]:
     return out
 
 
-def check_output_dir(cfg: JobConfig) -> None:
+SUBMITTED_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray in the driver of a `ray job submit` job
+
+
+def check_output_dir(cfg: JobConfig, environ=os.environ) -> None:
     """The run directory can be made: neither it, `output_dir` nor anything above is a file.
-    (Whether it can be written is learnt by writing its lock: `RunDirLock`.)"""
+    (Whether it can be written is learnt by writing its lock: `RunDirLock`.) Under `ray job
+    submit --working-dir` a relative `output_dir` is refused: the job runs in Ray's copy of the
+    working directory, where the run (checkpoints, the drafter) would land and be lost with it."""
+    if SUBMITTED_JOB_ENV in environ and not Path(cfg.output_dir).is_absolute():
+        raise ConfigError(f"config error at `output_dir`: {cfg.output_dir!r} is relative, and this job was submitted "
+                          f"with `ray job submit`: it runs in Ray's copy of the working directory ({ROOT}), which Ray "
+                          f"removes with the job's files. Give an absolute path (on a cluster: storage every node "
+                          f"shares; scripts/run_local.sh passes output_dir=$PWD/outputs)")
     for above in (cfg.run_dir, *cfg.run_dir.parents):
         if above.exists():
             if not above.is_dir():

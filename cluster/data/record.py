@@ -35,6 +35,7 @@ class TrainingRecord:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.pending: list[dict] = []  # trained, not yet committed
+        self._lines: int | None = None  # committed rows, counted once, then kept: a commit costs its own rows
 
     def add(self, step: int, rank: int, group: str, trained: list[LeasedSample]) -> None:
         """`trained`: the samples (`LeasedSample`s: their `group` is the record's `source`, where
@@ -48,22 +49,28 @@ class TrainingRecord:
         """Append the rows of steps <= `step` (durably); returns the committed line count."""
         done = [r for r in self.pending if r["step"] <= step]
         self.pending = [r for r in self.pending if r["step"] > step]
+        lines = self.lines()
         with open(self.path, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in done)
             f.flush()
             os.fsync(f.fileno())
-        return self.lines()
+        self._lines = lines + len(done)
+        return self._lines
 
     def reset(self) -> None:
         """A fresh start: no rows."""
         self.pending = []
         self.path.unlink(missing_ok=True)
+        self._lines = 0
 
     def lines(self) -> int:
-        if not self.path.exists():
-            return 0
-        with open(self.path, "rb") as f:
-            return sum(1 for _ in f)
+        """Committed rows: read once from the file (a resumed run's), then counted as committed."""
+        if self._lines is None:
+            if not self.path.exists():
+                return 0
+            with open(self.path, "rb") as f:
+                self._lines = sum(1 for _ in f)
+        return self._lines
 
     def rollback_to(self, lines: int) -> None:
         """Resume: keep the first `lines` rows (what the checkpoint committed), drop the rest."""
@@ -72,13 +79,16 @@ class TrainingRecord:
             if lines:
                 raise ExactlyOnceViolation(f"{self.path} is missing but the checkpoint committed {lines} rows to it")
             return
-        with open(self.path) as f:
-            kept = [line for _, line in zip(range(lines), f)]
-        if len(kept) < lines:
-            raise ExactlyOnceViolation(f"{self.path} has {len(kept)} rows; the checkpoint committed {lines}")
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
+        kept, offset = 0, 0
+        with open(self.path, "rb") as f:  # the byte where row `lines` ends: the file is cut there, not rewritten
+            for line in f:
+                if kept == lines:
+                    break
+                kept, offset = kept + 1, offset + len(line)
+        if kept < lines:
+            raise ExactlyOnceViolation(f"{self.path} has {kept} rows; the checkpoint committed {lines}")
+        os.truncate(self.path, offset)
+        self._lines = lines
 
     def rows(self) -> list[dict]:
         if not self.path.exists():

@@ -344,3 +344,17 @@ def test_joining_ray_has_a_deadline_and_answers_a_stop():
     environ = {}
     keep_ray_on_loopback(None, environ)  # a Ray of the job's own
     assert environ == {LOOPBACK_SWITCH: "0"}
+
+
+def test_bad_input_relative_output_dir_under_ray_job_submit_is_refused(tmp_path):
+    """Under `ray job submit --working-dir` the job runs in Ray's copy of the working directory: a
+    relative `output_dir` would put the run (checkpoints, the drafter) there. Refused, naming the
+    key; an absolute one, or a job not submitted, goes on."""
+    from cluster.preflight import SUBMITTED_JOB_ENV, check_output_dir
+
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=r", "output_dir=outputs"])
+    check_output_dir(cfg, environ={})
+    with pytest.raises(ConfigError, match=r"config error at `output_dir`: 'outputs' is relative.*ray job submit"):
+        check_output_dir(cfg, environ={SUBMITTED_JOB_ENV: "{}"})
+    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=r", f"output_dir={tmp_path}"])
+    check_output_dir(cfg, environ={SUBMITTED_JOB_ENV: "{}"})

@@ -4,6 +4,7 @@ with checkpoints, rolled back with them, and checked against the ledger's outcom
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,3 +71,37 @@ def test_a_run_ended_by_max_steps_reports_what_it_did_not_train(tmp_path):
     rec.commit(1)
     proof = rec.verify(outcome(["a@0"], failed=["f@0"], unfinished=["b@0", "c@0"]), complete=False)
     assert proof["not_trained"] == 2 and proof["failed"] == ["f@0"] and proof["trained"] == 1
+
+
+def test_a_commit_costs_its_own_rows_not_the_file_and_a_rollback_cuts_the_file(tmp_path, monkeypatch):
+    """The committed line count is read once (a resumed run's file) and then kept: a commit
+    appends its rows without reading the file again (it re-read all of trained.jsonl at every
+    checkpoint: O(rows²) over a run). A rollback cuts the file at the checkpoint's row."""
+    import builtins
+
+    from cluster.data import TrainingRecord
+
+    path = tmp_path / "trained.jsonl"
+    path.write_text("".join(json.dumps({"uid": f"p{i}@0", "step": 1}) + "\n" for i in range(5)))
+    rec = TrainingRecord(path)
+    assert rec.lines() == 5
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "r" in mode and str(file) == str(path):
+            reads.append(mode)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    rows = [SimpleNamespace(uid=f"q{i}@1", group="g0") for i in range(3)]
+    rec.add(2, 0, "g0", rows[:2])
+    rec.add(3, 0, "g0", rows[2:])
+    assert rec.commit(2) == 7 and rec.commit(3) == 8 and not reads
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert len(path.read_text().splitlines()) == 8
+    rec.rollback_to(6)
+    assert [json.loads(line)["uid"] for line in path.read_text().splitlines()][-2:] == ["p4@0", "q0@1"]
+    assert rec.lines() == 6 and TrainingRecord(path).lines() == 6
+    rec.add(4, 1, "g1", rows[:1])
+    assert rec.commit(4) == 7 and path.read_text().splitlines()[-1].startswith('{"uid": "q0@1"')
