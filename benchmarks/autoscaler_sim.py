@@ -103,8 +103,9 @@ def simulate(hours: float, seed: int, dt: float = 10.0, interval: float = 30.0):
     rng = random.Random(seed)
     total_s = hours * 3600
     groups = [Group() for _ in range(GROUPS)]
-    policy = ScalingPolicy(scale_up_delay_s=120, scale_down_delay_s=300, cooldown_s=600, min_gain=0.05,
-                           gpus_per_replica=PER_REPLICA)
+    policy = ScalingPolicy(
+        scale_up_delay_s=120, scale_down_delay_s=300, cooldown_s=600, min_gain=0.05, gpus_per_replica=PER_REPLICA
+    )
     t, next_decide, next_ckpt = 0.0, interval, 600.0
     trained_total = crossed = last_trained = 0.0
     series, log = [], []
@@ -124,7 +125,7 @@ def simulate(hours: float, seed: int, dt: float = 10.0, interval: float = 30.0):
             g.queue -= own
             trained_total += own
             spare.append(g.ranks * dt - own / per_rank)
-        for i, g in enumerate(groups):  # ranks left idle borrow from deep queues
+        for i, _g in enumerate(groups):  # ranks left idle borrow from deep queues
             for d in sorted(range(GROUPS), key=lambda k: -groups[k].queue):
                 if spare[i] <= 0 or d == i or groups[d].queue <= low:
                     continue
@@ -151,11 +152,24 @@ def simulate(hours: float, seed: int, dt: float = 10.0, interval: float = 30.0):
             for i, g in enumerate(groups):
                 prod, busy = g.window
                 g.window = [0.0, 0.0]
-                states.append(GroupState(  # report committed sizes: pending resizes count as done
-                    f"g{i}", g.replicas + len(g.starting), g.pending_ranks or g.ranks, 1, MAX_REPLICAS, 1, MAX_RANKS,
-                    per_replica_rate=(prod / busy) * noise() if busy else None, per_rank_rate=rank_rate,
-                    data_wait_fraction=wait, queue_samples=int(g.queue), queue_bytes=int(g.queue),
-                    high_watermark_bytes=int(high), producers_paused=g.queue >= high))
+                states.append(
+                    GroupState(  # report committed sizes: pending resizes count as done
+                        f"g{i}",
+                        g.replicas + len(g.starting),
+                        g.pending_ranks or g.ranks,
+                        1,
+                        MAX_REPLICAS,
+                        1,
+                        MAX_RANKS,
+                        per_replica_rate=(prod / busy) * noise() if busy else None,
+                        per_rank_rate=rank_rate,
+                        data_wait_fraction=wait,
+                        queue_samples=int(g.queue),
+                        queue_bytes=int(g.queue),
+                        high_watermark_bytes=int(high),
+                        producers_paused=g.queue >= high,
+                    )
+                )
             used = sum(PER_REPLICA * (g.replicas + len(g.starting)) + (g.pending_ranks or g.ranks) for g in groups)
             free = GPUS - used
             for d in policy.decide(states, free, t):
@@ -211,13 +225,21 @@ def main() -> None:
     total = args.hours * 3600
     auto = series[-1][1] / total
     print("rates (samples/s), before -> after the shift: per replica of each group; per trainer rank")
-    print("  replicas: " + "  ".join(f"g{i} {a:.2f}->{b:.2f}" for i, (a, b) in enumerate(zip(before[0], after[0])))
-          + f"   rank: {before[1]:.2f}->{after[1]:.2f}")
+    print(
+        "  replicas: "
+        + "  ".join(f"g{i} {a:.2f}->{b:.2f}" for i, (a, b) in enumerate(zip(before[0], after[0])))
+        + f"   rank: {before[1]:.2f}->{after[1]:.2f}"
+    )
     start = ((1,) * GROUPS, 4 * GROUPS)
     prod = 0.5 * pooled(*start, before) + 0.5 * pooled(*start, after)
     print(f"\nproduction split (1 replica + 4 ranks per group), static: {prod:6.2f} samples/s")
-    print(f"best static split (exact search):  {static_val:6.2f} samples/s  replicas {static_split[0]}, {static_split[1]} ranks")
-    print(f"autoscaled:                        {auto:6.2f} samples/s  = {auto / static_val:.1%} of the best static split")
+    print(
+        f"best static split (exact search):  {static_val:6.2f} samples/s  "
+        f"replicas {static_split[0]}, {static_split[1]} ranks"
+    )
+    print(
+        f"autoscaled:                        {auto:6.2f} samples/s  = {auto / static_val:.1%} of the best static split"
+    )
     print(f"phase optima: {opt1:.2f} {split1} (first half), {opt2:.2f} {split2} (second half)")
     c1 = converge_time(series, 0, total / 2, opt1)
     c2 = converge_time(series, total / 2, total, opt2)
@@ -229,7 +251,10 @@ def main() -> None:
         for half in (False, True):  # reversals within a phase are flapping; across the shift, adaptation
             dirs = [d for d, _, h in g.directions if h == half]
             flaps += sum(1 for a, b in zip(dirs, dirs[1:]) if a != b)
-        print(f"  g{i}: final {g.replicas} replicas + {g.ranks} ranks, {g.actions} actions, {flaps} reversals within a phase")
+        print(
+            f"  g{i}: final {g.replicas} replicas + {g.ranks} ranks, {g.actions} actions, "
+            f"{flaps} reversals within a phase"
+        )
     print("\nfirst decisions:")
     for t, grp, action, reason in log[:12]:
         print(f"  t={t / 60:6.1f} min {grp} {action:15s} {reason}")

@@ -26,8 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(mode: str, config: str, overrides: list[str], log: Path) -> dict:
     name = f"quality-{mode}"
-    cmd = [str(ROOT / "scripts" / "run_local.sh"), "--config", config, f"run_name={name}", f"drafter.mode={mode}",
-           "trainer.resume=never", *overrides]
+    cmd = [
+        str(ROOT / "scripts" / "run_local.sh"),
+        "--config",
+        config,
+        f"run_name={name}",
+        f"drafter.mode={mode}",
+        "trainer.resume=never",
+        *overrides,
+    ]
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=3 * 3600)
@@ -40,8 +47,15 @@ def run(mode: str, config: str, overrides: list[str], log: Path) -> dict:
 
 def figures(result: dict) -> dict:
     sets = {"heldout": result["evaluation"], **result.get("evaluation_sets", {})}
-    return {name: {"tau": ev["tau"], "macro_tau": ev["macro_tau"], "lossless": ev["lossless"],
-                   "per_position_acceptance": ev["per_position_acceptance"]} for name, ev in sets.items()}
+    return {
+        name: {
+            "tau": ev["tau"],
+            "macro_tau": ev["macro_tau"],
+            "lossless": ev["lossless"],
+            "per_position_acceptance": ev["per_position_acceptance"],
+        }
+        for name, ev in sets.items()
+    }
 
 
 def main() -> None:
@@ -56,18 +70,33 @@ def main() -> None:
             r = json.loads((ROOT / "outputs" / f"quality-{mode}" / "result.json").read_text())
         else:
             r = run(mode, args.config, args.overrides, ROOT / "outputs" / f"drafter_quality-{mode}.log")
-        rows[mode] = {"wall_clock_s": r["wall_clock_s"], "steps": r["steps"], "cpu": r["machine"]["cpu"]["model"],
-                      "epochs": r.get("epochs", {}).get("kept"),
-                      "splits": figures(r)}
+        rows[mode] = {
+            "wall_clock_s": r["wall_clock_s"],
+            "steps": r["steps"],
+            "cpu": r["machine"]["cpu"]["model"],
+            "epochs": r.get("epochs", {}).get("kept"),
+            "splits": figures(r),
+        }
     (ROOT / "outputs" / "drafter_quality.json").write_text(json.dumps(rows, indent=2))
     splits = list(rows["dspark"]["splits"])
-    print(f"\n=== DSpark vs its DFlash ablation: {args.config} {' '.join(args.overrides)} on {rows['dspark']['cpu']} ===")
-    print(f"{'mode':8} {'wall min':>8} {'steps':>6} {'epochs':>6} " + " ".join(f"{s + ' tau':>12} {s + ' macro':>12}" for s in splits))
+    print(
+        f"\n=== DSpark vs its DFlash ablation: {args.config} {' '.join(args.overrides)} on {rows['dspark']['cpu']} ==="
+    )
+    print(
+        f"{'mode':8} {'wall min':>8} {'steps':>6} {'epochs':>6} "
+        + " ".join(f"{s + ' tau':>12} {s + ' macro':>12}" for s in splits)
+    )
     for mode, r in rows.items():
-        print(f"{mode:8} {r['wall_clock_s'] / 60:8.1f} {r['steps']:6d} {r['epochs'] or '-':>6} "
-              + " ".join(f"{r['splits'][s]['tau']:12.3f} {r['splits'][s]['macro_tau']:12.3f}" for s in splits))
-    print("dspark / dflash: " + ", ".join(
-        f"{s} {rows['dspark']['splits'][s]['tau'] / rows['dflash']['splits'][s]['tau']:.3f}x" for s in splits))
+        print(
+            f"{mode:8} {r['wall_clock_s'] / 60:8.1f} {r['steps']:6d} {r['epochs'] or '-':>6} "
+            + " ".join(f"{r['splits'][s]['tau']:12.3f} {r['splits'][s]['macro_tau']:12.3f}" for s in splits)
+        )
+    print(
+        "dspark / dflash: "
+        + ", ".join(
+            f"{s} {rows['dspark']['splits'][s]['tau'] / rows['dflash']['splits'][s]['tau']:.3f}x" for s in splits
+        )
+    )
     if not all(sp["lossless"] for r in rows.values() for sp in r["splits"].values()):
         sys.exit("a lossless check failed")
 

@@ -36,8 +36,13 @@ def conversations(n: int) -> list[dict]:
     out = []
     for c in convs[:n]:
         answer = answers.get(c.id, "Here is a detailed answer. " * 12)
-        out.append({"id": c.id, "messages": c.prompt_messages + [{"role": "assistant", "content": answer},
-                                                                 {"role": "user", "content": "Thanks."}]})
+        out.append(
+            {
+                "id": c.id,
+                "messages": c.prompt_messages
+                + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Thanks."}],
+            }
+        )
     return out
 
 
@@ -48,27 +53,36 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
-    import ray
-
     from dataclasses import replace
+
+    import ray
 
     from cluster.config import SamplingConfig, TargetConfig
     from cluster.inference import InferenceActor, InferenceSettings
-    from cluster.store import MooncakeMaster
-    from cluster.store import HiddenStateStore, StoreConfig
+    from cluster.store import HiddenStateStore, MooncakeMaster, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_smollm2
 
     target = prepare_smollm2()
     layer_ids = DSparkConfig.from_target(target).extract_layer_ids
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=f"/tmp/ray-bench-{os.getpid()}")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
+    )
     master = MooncakeMaster()
     holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
     files = Path(tempfile.mkdtemp(prefix="dspark-hs-"))
     convs = conversations(args.conversations)
-    base = InferenceSettings(TargetConfig(path=str(target), max_model_len=2048, enforce_eager=True), layer_ids,
-                             "bench/g0", sampling=SamplingConfig(max_tokens=1), store=StoreConfig(master=master.address))
+    base = InferenceSettings(
+        TargetConfig(path=str(target), max_model_len=2048, enforce_eager=True),
+        layer_ids,
+        "bench/g0",
+        sampling=SamplingConfig(max_tokens=1),
+        store=StoreConfig(master=master.address),
+    )
     variants = {
         "vLLM prefill alone": replace(base, extract=False),
         "Mooncake connector": base,
@@ -93,7 +107,10 @@ def main() -> None:
                     holder.remove(o.ref.key)
         rows.append((name, tokens, best))
         ray.kill(actor)
-    print(f"\nextraction of {len(convs)} conversations ({rows[0][1]} prompt tokens), layers {layer_ids}, best of {args.repeats}")
+    print(
+        f"\nextraction of {len(convs)} conversations ({rows[0][1]} prompt tokens), layers {layer_ids}, "
+        f"best of {args.repeats}"
+    )
     print(f"{'path':22} {'tokens/s':>9} {'vs prefill':>11}")
     for name, _, rate in rows:
         print(f"{name:22} {rate:9.0f} {rate / rows[0][2]:10.2f}x")

@@ -18,9 +18,9 @@ vLLM's CPU guide asks), `tcmalloc` (likewise its allocator), and `trainer=N`: wh
 is timed, a trainer process steps beside it on N threads (the local job's drafter, first-epoch
 steps of its shapes, its preloads and OpenMP settings: `cluster.box.machine_paces.probe_trainer`
 in a loop), as the local job's rank does while its replica generates. Every variant is compared
-with plain vLLM at the same knobs, a `trainer` variant also with itself alone. Prints the CPU (model, cores, flags), then generated tokens/s per
-variant and its ratio to plain vLLM at the same batch and knobs (`plain iomp` is the baseline
-of `job iomp`).
+with plain vLLM at the same knobs, a `trainer` variant also with itself alone. Prints the CPU
+(model, cores, flags), then generated tokens/s per variant and its ratio to plain vLLM at the
+same batch and knobs (`plain iomp` is the baseline of `job iomp`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from cluster.config_load import load_config
 from cluster.box import probe_trainer
 from dspark.targets import prepare_smollm2
 cfg, target = load_config({config!r}), prepare_smollm2()
-print(probe_trainer(cfg, target, 58, 128, [{threads}], repeats=1)[0][{threads}], flush=True)  # before the replica's timed run
+# before the replica's timed run
+print(probe_trainer(cfg, target, 58, 128, [{threads}], repeats=1)[0][{threads}], flush=True)
 while True:
     print(probe_trainer(cfg, target, 58, 128, [{threads}], repeats=1)[0][{threads}], flush=True)
 """
@@ -59,27 +60,38 @@ while True:
 
 def start_trainer(threads: int, cfg, nice: int, deadline_s: float = 300.0):
     """A process stepping the local job's drafter on `threads` threads, as a trainer rank beside
-    the replica does; returns it once it steps, and its first step's seconds (within `deadline_s`: the drafter's set-up and one
-    first-epoch step take ~10 s on a 2-core Xeon). `nice`: the replica actor's niceness, which
-    the process takes: Ray starts its workers niced (the job's replica and trainer rank alike),
-    and a trainer at niceness 0 beside a niced replica took half its pace (139 tok/s against 283
-    alone at 2 threads on a 2-core Xeon) where the job's replica kept all of it."""
+    the replica does; returns it once it steps, and its first step's seconds (within `deadline_s`:
+    the drafter's set-up and one first-epoch step take ~10 s on a 2-core Xeon). `nice`: the
+    replica actor's niceness, which the process takes: Ray starts its workers niced (the job's
+    replica and trainer rank alike), and a trainer at niceness 0 beside a niced replica took half
+    its pace (139 tok/s against 283 alone at 2 threads on a 2-core Xeon) where the job's replica
+    kept all of it."""
     import select
     import subprocess
 
     from cluster.hardware import cpu_process_env
 
     env = {**os.environ, **cpu_process_env(tuple(cfg.trainer.preload), threads)}
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER_LOOP.format(root=str(ROOT), threads=threads,
-                                                                       config=str(ROOT / "configs" / "local.yaml"))],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            TRAINER_LOOP.format(root=str(ROOT), threads=threads, config=str(ROOT / "configs" / "local.yaml")),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, nice),
+    )
     ready, _, _ = select.select([proc.stdout], [], [], deadline_s)
     first = proc.stdout.readline() if ready else ""  # its first timed step: it is stepping
     if not first:
         proc.kill()
-        raise RuntimeError(f"the trainer beside the replica did not step within {deadline_s:g} s "
-                           f"(exit code {proc.poll()}; run TRAINER_LOOP alone to see its error)")
+        raise RuntimeError(
+            f"the trainer beside the replica did not step within {deadline_s:g} s "
+            f"(exit code {proc.poll()}; run TRAINER_LOOP alone to see its error)"
+        )
     return proc, float(first)
 
 
@@ -88,8 +100,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--variants", default="plain,job,plain iomp tcmalloc,job iomp tcmalloc,"
-                                          "plain threads=2 iomp tcmalloc,job threads=2 iomp tcmalloc")
+    ap.add_argument(
+        "--variants",
+        default="plain,job,plain iomp tcmalloc,job iomp tcmalloc,"
+        "plain threads=2 iomp tcmalloc,job threads=2 iomp tcmalloc",
+    )
     args = ap.parse_args()
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     import ray
@@ -98,8 +113,7 @@ def main() -> None:
     from cluster.config_load import load_config
     from cluster.hardware import preload_libraries, read_cpu
     from cluster.inference import InferenceActor, InferenceSettings
-    from cluster.store import MooncakeMaster
-    from cluster.store import HiddenStateStore, StoreConfig
+    from cluster.store import HiddenStateStore, MooncakeMaster, StoreConfig
     from dspark.config import DSparkConfig
     from dspark.targets import prepare_smollm2
 
@@ -107,24 +121,39 @@ def main() -> None:
         def threads(self) -> dict:
             import torch
 
-            return {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+            return {
+                "torch": torch.get_num_threads(),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+                "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            }
 
     cfg = resolve_for_machine(load_config(ROOT / "configs" / "local.yaml"))
     cpu = read_cpu()
-    print(f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
-          f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}")
+    print(
+        f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
+        f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}"
+    )
     t = cfg.target
     target = prepare_smollm2()
     layer_ids = DSparkConfig.from_target(target).extract_layer_ids
-    ray.init(address="local", num_cpus=cpu.cores, include_dashboard=False, log_to_driver=False,
-             _temp_dir=f"/tmp/ray-bench-{os.getpid()}")
+    ray.init(
+        address="local",
+        num_cpus=cpu.cores,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
+    )
     master = MooncakeMaster()
     holder = HiddenStateStore(StoreConfig(master=master.address, segment_bytes=4 << 30)).connect()
     work = prompts(args.prompts)
-    base = InferenceSettings(replace(t, path=str(target)), layer_ids, "bench/g0",
-                             sampling=replace(cfg.sampling, max_tokens=args.max_tokens),
-                             store=StoreConfig(master=master.address))
+    base = InferenceSettings(
+        replace(t, path=str(target)),
+        layer_ids,
+        "bench/g0",
+        sampling=replace(cfg.sampling, max_tokens=args.max_tokens),
+        store=StoreConfig(master=master.address),
+    )
     replica_cpus = cfg.topology.groups[0].cpus_per_replica
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -145,14 +174,17 @@ def main() -> None:
                         break
                     env["LD_PRELOAD"] = ":".join(filter(None, [env.get("LD_PRELOAD"), *found]))
             else:
-                actor = ray.remote(num_cpus=replica_cpus)(Probe).options(
-                    runtime_env={"env_vars": env} if env else None).remote(settings)
+                actor = (
+                    ray.remote(num_cpus=replica_cpus)(Probe)
+                    .options(runtime_env={"env_vars": env} if env else None)
+                    .remote(settings)
+                )
                 threads = ray.get(actor.threads.remote())
                 ray.get(actor.process.remote([{**p, "key": f"bench/warm/{p['id']}"} for p in work[:2]]))
                 beside = start_trainer(trainer_threads, cfg, threads["nice"]) if trainer_threads else None
                 generated, t0 = 0, time.perf_counter()
                 for i in range(0, len(work), batch):
-                    chunk = [{**p, "key": f"bench/{batch}/{variant}/{p['id']}"} for p in work[i:i + batch]]
+                    chunk = [{**p, "key": f"bench/{batch}/{variant}/{p['id']}"} for p in work[i : i + batch]]
                     out = ray.get(actor.process.remote(chunk))
                     assert all(o.error is None for o in out), [o.error for o in out if o.error][:3]
                     generated += sum(len(o.response_ids) for o in out)
@@ -167,30 +199,46 @@ def main() -> None:
                     steps = sorted(float(x) for x in proc.stdout.read().split())  # its steps while timed
                     proc.wait()
                     if steps:
-                        trainer = f"; trainer beside: {steps[len(steps) // 2]:.2f} s a step (median of {len(steps)}), {alone_s:.2f} s before"
+                        trainer = (
+                            f"; trainer beside: {steps[len(steps) // 2]:.2f} s a step (median of {len(steps)}), "
+                            f"{alone_s:.2f} s before"
+                        )
                 ray.kill(actor)
                 rows.append((batch, variant, generated / dt, threads))
-                print(f"  batch {batch:3d} {variant:30s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
-                      f"threads {threads['torch']}, OMP_NUM_THREADS={threads['OMP_NUM_THREADS']}, nice {threads['nice']}"
-                      f"{trainer})", flush=True)
-    print(f"\ngeneration, {len(work)} prompts of configs/local.yaml's training set, greedy, up to {args.max_tokens} "
-          f"tokens, {t.dtype}, replica actor with {replica_cpus} CPU(s)")
+                print(
+                    f"  batch {batch:3d} {variant:30s} {generated / dt:7.1f} tok/s  ({generated} tokens, {dt:.1f} s; "
+                    f"threads {threads['torch']}, OMP_NUM_THREADS={threads['OMP_NUM_THREADS']}, nice {threads['nice']}"
+                    f"{trainer})",
+                    flush=True,
+                )
+    print(
+        f"\ngeneration, {len(work)} prompts of configs/local.yaml's training set, greedy, up to {args.max_tokens} "
+        f"tokens, {t.dtype}, replica actor with {replica_cpus} CPU(s)"
+    )
     print(f"{'batch':>5} {'variant':40} {'tok/s':>7} {'vs plain':>9} {'vs alone':>9}")
 
     def knobs(variant: str) -> list[str]:
         return sorted(w for w in variant.split()[1:] if not w.startswith("trainer="))
 
     def rate_of(batch: int, kind: str, like: str) -> float | None:  # `kind` alone, the knobs of `like`
-        return next((r for b, v, r, _ in rows if b == batch and v.split()[0] == kind and "trainer=" not in v
-                     and knobs(v) == knobs(like)), None)
+        return next(
+            (
+                r
+                for b, v, r, _ in rows
+                if b == batch and v.split()[0] == kind and "trainer=" not in v and knobs(v) == knobs(like)
+            ),
+            None,
+        )
 
     for batch, variant, rate, _ in rows:
         # Every variant against plain vLLM alone at the same knobs (threads, preloads): what the
         # replica keeps of the engine's own pace; a variant with a trainer beside it also against
         # itself alone, where that ran (what the trainer alone takes).
         plain, alone = rate_of(batch, "plain", variant), rate_of(batch, variant.split()[0], variant)
-        ratio = lambda base: f"{rate / base:8.2f}x" if base else f"{'-':>9}"  # noqa: E731
-        print(f"{batch:5d} {variant:40} {rate:7.1f} {ratio(plain)} {ratio(alone) if 'trainer=' in variant else ' ' * 9}")
+        ratio = lambda base, rate=rate: f"{rate / base:8.2f}x" if base else f"{'-':>9}"  # noqa: E731
+        print(
+            f"{batch:5d} {variant:40} {rate:7.1f} {ratio(plain)} {ratio(alone) if 'trainer=' in variant else ' ' * 9}"
+        )
     holder.close()
     master.stop()
     ray.shutdown()

@@ -42,8 +42,12 @@ def produce(ledger, group: str, n: int) -> None:
 
 def measure(cls, n: int, rounds: int, cap_s: float) -> dict:
     t0 = time.perf_counter()
-    ledger = cls([{"id": f"p{i}", "messages": []} for i in range(n)], epochs=3, reuse_across_epochs=True,
-                 watermarks={g: (1 << 40, 1 << 39) for g in GROUPS})
+    ledger = cls(
+        [{"id": f"p{i}", "messages": []} for i in range(n)],
+        epochs=3,
+        reuse_across_epochs=True,
+        watermarks={g: (1 << 40, 1 << 39) for g in GROUPS},
+    )
     out = {"build_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
     while ledger.counts().stored < n // 2:
@@ -85,7 +89,10 @@ def main() -> None:
     ap.add_argument("--cap-s", type=float, default=60.0, help="seconds of calls per ledger and size")
     args = ap.parse_args()
     print("µs per call (3 epochs, reuse, half of epoch 0 stored); 'before' = tests/ledger_reference")
-    print(f"{'prompts':>10} {'ledger':>7} {'build s':>8} {'set-up s':>9} {'rounds':>6} " + " ".join(f"{c:>17}" for c in CALLS))
+    print(
+        f"{'prompts':>10} {'ledger':>7} {'build s':>8} {'set-up s':>9} {'rounds':>6} "
+        + " ".join(f"{c:>17}" for c in CALLS)
+    )
     for n in args.sizes:
         for name, cls in (("before", ReferenceLedger), ("after", SampleLedger)):
             m = measure(cls, n, args.rounds, args.cap_s)

@@ -30,8 +30,9 @@ def vllm_runs(target: str, drafter: str, prompts: list[list[int]], k: int, max_n
     from vllm_spec import generate
 
     base = generate(target, prompts, max_new, None, dtype="float32")
-    spec = generate(target, prompts, max_new, {"model": drafter, "method": "dflash", "num_speculative_tokens": k},
-                    dtype="float32")
+    spec = generate(
+        target, prompts, max_new, {"model": drafter, "method": "dflash", "num_speculative_tokens": k}, dtype="float32"
+    )
     return base, spec
 
 
@@ -44,8 +45,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from dspark.checkpoint import export_dflash_backbone, load_drafter
     from vllm_spec import load_prompts, reference_eval, speculative_tokens
+
+    from dspark.checkpoint import export_dflash_backbone, load_drafter
 
     work = Path(tempfile.mkdtemp(prefix="dspark-serve-"))
     backbone = export_dflash_backbone(load_drafter(args.drafter, args.target), work / "dflash")
@@ -54,16 +56,22 @@ def main() -> None:
     ours = reference_eval(args.target, str(backbone), convs, args.max_new_tokens)
     base, theirs = vllm_runs(args.target, str(backbone), prompts, k, args.max_new_tokens)
     lossless = theirs["outputs"] == base["outputs"]
-    print(f"\nDSpark backbone served as vLLM `dflash` on CPU, greedy, k={k}, {len(prompts)} prompts x {args.max_new_tokens} tokens")
+    print(
+        f"\nDSpark backbone served as vLLM `dflash` on CPU, greedy, k={k}, "
+        f"{len(prompts)} prompts x {args.max_new_tokens} tokens"
+    )
     print(f"{'':18} {'tau':>7}  per-position acceptance")
     for name, r in (("vLLM (CPU)", theirs), ("dspark.evaluate", ours)):
         pp = " ".join(f"{a:.2f}" for a in (r["per_position_acceptance"] or []))
         print(f"{name:18} {r['tau']:7.3f}  {pp}")
     print(f"vLLM lossless (speculative == target-only greedy output): {lossless}")
     print(f"tokens/s: target only {base['tokens_per_s']:.1f}, with dflash {theirs['tokens_per_s']:.1f}")
-    result = {"vllm": {k2: v for k2, v in theirs.items() if k2 != "outputs"}, "vllm_lossless": lossless,
-              "vllm_target_only_tokens_per_s": base["tokens_per_s"],
-              "ours": ours}
+    result = {
+        "vllm": {k2: v for k2, v in theirs.items() if k2 != "outputs"},
+        "vllm_lossless": lossless,
+        "vllm_target_only_tokens_per_s": base["tokens_per_s"],
+        "ours": ours,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

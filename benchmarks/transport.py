@@ -37,8 +37,12 @@ def make_sample(t, layers, h, seed):
     from dspark.samples import Sample
 
     g = torch.Generator().manual_seed(seed)
-    return Sample(torch.randint(0, 49152, (t,), generator=g), torch.ones(t, dtype=torch.bool),
-                  torch.randn(t, layers, h, generator=g).to(torch.bfloat16), list(range(2, 2 + layers)))
+    return Sample(
+        torch.randint(0, 49152, (t,), generator=g),
+        torch.ones(t, dtype=torch.bool),
+        torch.randn(t, layers, h, generator=g).to(torch.bfloat16),
+        list(range(2, 2 + layers)),
+    )
 
 
 class Producer:
@@ -100,15 +104,21 @@ def run(shape, n, ray, name: str, producer_store: dict, consumer_store: dict, wi
     prod = ray.remote(num_cpus=0)(Producer).remote(producer_store, shape, n)
     cons = ray.remote(num_cpus=0)(Consumer).remote(consumer_store)
     ray.get([prod.put_mooncake.remote(-1), cons.get_mooncake.remote([])])  # warm up connections
-    dt = pipelined(ray, n, lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
-                   lambda refs: cons.get_mooncake.remote(refs))
+    dt = pipelined(
+        ray,
+        n,
+        lambda idx: [r for r, _ in ray.get([prod.put_mooncake.remote(i) for i in idx])],
+        lambda refs: cons.get_mooncake.remote(refs),
+    )
     rows[f"mooncake, {name}"] = (n * nbytes / dt / 1e9, n / dt)
     # Raw read bandwidth of one consumer (no pipelining): put 4, then time the reads
     refs = [r for r, _ in ray.get([prod.put_mooncake.remote(10_000 + i) for i in range(4)])]
     got, secs = ray.get(cons.get_mooncake.remote(refs))
     rows[f"  read only, {name}"] = (got / secs / 1e9, len(refs) / secs)
     if with_ray:
-        dt = pipelined(ray, n, lambda idx: [prod.put_ray.remote(i) for i in idx], lambda objs: cons.get_ray.remote(objs))
+        dt = pipelined(
+            ray, n, lambda idx: [prod.put_ray.remote(i) for i in idx], lambda objs: cons.get_ray.remote(objs)
+        )
         rows["ray object store"] = (n * nbytes / dt / 1e9, n / dt)
     ray.kill(prod)
     ray.kill(cons)
@@ -123,15 +133,21 @@ def main() -> None:
     os.environ["MC_STORE_MEMCPY"] = args.memcpy
     import ray
 
-    from cluster.store import MooncakeMaster
-    from cluster.store import NodeStore
+    from cluster.store import MooncakeMaster, NodeStore
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
-             runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("MC_")}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=f"/tmp/ray-bench-{os.getpid()}",
+        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("MC_")}},
+    )
     knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MC_"))
-    print(f"{knobs} (store clients), {args.samples} samples per shape, producer and consumer processes; "
-          "as in the job, the memory is in a third process")
+    print(
+        f"{knobs} (store clients), {args.samples} samples per shape, producer and consumer processes; "
+        "as in the job, the memory is in a third process"
+    )
     print(f"{'shape':28} {'path':52} {'GB/s':>7} {'samples/s':>10}")
     for name, shape in SHAPES.items():
         rows = {}
@@ -147,7 +163,9 @@ def main() -> None:
                 label = "two node daemons, one loopback TCP hop"
             else:
                 label = "memory in the master, two loopback TCP hops"
-            ends = [{"master": master.address, "node_client": d.address} for d in daemons] or [{"master": master.address}]
+            ends = [{"master": master.address, "node_client": d.address} for d in daemons] or [
+                {"master": master.address}
+            ]
             rows.update(run(shape, args.samples, ray, label, ends[0], ends[-1], with_ray=layout == "node"))
             for d in daemons:
                 d.stop()

@@ -15,8 +15,8 @@ def load_prompts(target: str, prompts_file: str, limit: int) -> tuple[list, list
     applied, generation prompt added), as both vLLM and the reference decoder see them."""
     from transformers import AutoTokenizer
 
-    from dspark.prompts import read_conversations
     from dspark.chat import render_prompt
+    from dspark.prompts import read_conversations
 
     convs, _ = read_conversations(prompts_file)
     convs = convs[:limit]
@@ -30,17 +30,25 @@ def speculative_tokens(drafter: str | Path) -> int:
     return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
 
 
-def generate(target: str, prompts: list[list[int]], max_new: int, speculative_config: dict | None = None,
-             **engine) -> dict:
+def generate(
+    target: str, prompts: list[list[int]], max_new: int, speculative_config: dict | None = None, **engine
+) -> dict:
     """Greedy outputs, tokens/s and, when speculating, τ = 1 + accepted / drafts with the
     per-position acceptance, from vLLM's own `spec_decode` counters."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=target, enforce_eager=True, max_model_len=2048, disable_log_stats=False,
-              speculative_config=speculative_config, **engine)
+    llm = LLM(
+        model=target,
+        enforce_eager=True,
+        max_model_len=2048,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+        **engine,
+    )
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_new),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False
+    )
     dt = time.perf_counter() - t0
     counters = {}
     for m in llm.get_metrics():
@@ -51,9 +59,14 @@ def generate(target: str, prompts: list[list[int]], max_new: int, speculative_co
     per_pos = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     del llm
-    return {"tau": 1 + accepted / drafts if drafts else None, "drafts": drafts, "accepted": accepted,
-            "per_position_acceptance": [a / drafts for a in per_pos] if per_pos and drafts else None,
-            "outputs": outputs, "tokens_per_s": sum(map(len, outputs)) / dt}
+    return {
+        "tau": 1 + accepted / drafts if drafts else None,
+        "drafts": drafts,
+        "accepted": accepted,
+        "per_position_acceptance": [a / drafts for a in per_pos] if per_pos and drafts else None,
+        "outputs": outputs,
+        "tokens_per_s": sum(map(len, outputs)) / dt,
+    }
 
 
 def reference_eval(target: str, drafter: str, convs: list, max_new: int) -> dict:
@@ -63,8 +76,20 @@ def reference_eval(target: str, drafter: str, convs: list, max_new: int) -> dict
     work = Path(tempfile.mkdtemp(prefix="dspark-reference-"))
     subset = work / "prompts.jsonl"
     subset.write_text("".join(json.dumps({"id": c.id, "messages": c.prompt_messages}) + "\n" for c in convs))
-    evaluate.main(["--target", target, "--drafter", drafter, "--prompts", str(subset),
-                   "--max-new-tokens", str(max_new), "--json", str(work / "ours.json")])
+    evaluate.main(
+        [
+            "--target",
+            target,
+            "--drafter",
+            drafter,
+            "--prompts",
+            str(subset),
+            "--max-new-tokens",
+            str(max_new),
+            "--json",
+            str(work / "ours.json"),
+        ]
+    )
     out = json.loads((work / "ours.json").read_text())
     out.pop("requests", None)
     return out

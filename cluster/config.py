@@ -17,9 +17,20 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-from cluster.config_fields import (AT_LEAST_1, BUDGET, DELAY, FRACTION, NON_NEGATIVE, POSITIVE, TIMEOUT, Range,
-                                   choice, ranged)
 from cluster.config_data import DataConfig
+from cluster.config_fields import (
+    AT_LEAST_1,
+    BUDGET,
+    DELAY,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    TIMEOUT,
+    Range,
+    choice,
+    ranged,
+)
+
 # A config mistake, naming the key: defined with the other errors so that the checks
 # (`config_checks`) import no loader; named here too, where its callers look for it
 from cluster.errors import ConfigError  # noqa: F401
@@ -49,7 +60,9 @@ class TargetConfig:
     num_aux_layers: int = ranged(5, AT_LEAST_1)
     tensor_parallel_size: int = ranged(1, AT_LEAST_1)
     nodes_per_replica: int = ranged(1, AT_LEAST_1)
-    dtype: str = choice("bfloat16", ("auto", "bfloat16", "float16", "float32"))  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
+    dtype: str = choice(
+        "bfloat16", ("auto", "bfloat16", "float16", "float32")
+    )  # auto: bfloat16 on GPUs and on CPUs with native bf16, float32 on other CPUs
     max_model_len: int = ranged(2048, Range(2))
     kv_cache_dtype: str = "auto"  # fp8 on clusters
     # A KV cache of exactly this many blocks per replica (vLLM's num_gpu_blocks_override), e.g. to
@@ -119,8 +132,10 @@ class GroupConfig:
 
     def trainer_rank_bounds(self) -> tuple[int, int]:
         n = self.trainer_ranks
-        return (n if self.min_trainer_ranks is None else self.min_trainer_ranks,
-                n if self.max_trainer_ranks is None else self.max_trainer_ranks)
+        return (
+            n if self.min_trainer_ranks is None else self.min_trainer_ranks,
+            n if self.max_trainer_ranks is None else self.max_trainer_ranks,
+        )
 
 
 @dataclass
@@ -142,8 +157,10 @@ class TransportConfig:
     segment_host: str = choice("node", ("node", "master"))
     segment_mb: int = ranged(2048, Range(16))  # store memory per node (or in the master); at least 16 (Mooncake)
     buffer_mb: int = ranged(256, AT_LEAST_1)
-    high_watermark: float = 0.7  # of segment_mb (a group's share of it: cluster.scaling.capacity): producers pause above
-    max_service_restarts: int = ranged(5, NON_NEGATIVE)  # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
+    # of segment_mb (a group's share of it: cluster.scaling.capacity): producers pause above
+    high_watermark: float = 0.7
+    # dead master or store daemon *actors* replaced in a job (their processes restart on their own)
+    max_service_restarts: int = ranged(5, NON_NEGATIVE)
     low_watermark: float = 0.5  # ... and resume below
 
 
@@ -233,7 +250,9 @@ class InferenceConfig:
     backend: str = choice("vllm", ("vllm", "replay"))  # vllm | replay
     replay_dir: str | None = None
     replay_samples_per_s: float = ranged(0.0, NON_NEGATIVE)  # 0: unthrottled
-    prompt_batch: int = ranged(16, AT_LEAST_1)  # prompts a replica asks for at a time: big enough to batch, small enough to spread
+    prompt_batch: int = ranged(
+        16, AT_LEAST_1
+    )  # prompts a replica asks for at a time: big enough to batch, small enough to spread
     # CPU replicas: the engine's OpenMP threads (None: the machine's cores; the local job's one
     # replica has the box to itself while the trainer waits for it or trains on one thread)
     # and the libraries preloaded into its process, as vLLM's CPU guide asks (`tcmalloc`, `iomp`:
@@ -244,14 +263,18 @@ class InferenceConfig:
     # days age out, a crash loop spends it in minutes); one more ends the job with the last error.
     max_replica_restarts: int = ranged(5, NON_NEGATIVE)
     restart_window_s: float = ranged(3600.0, TIMEOUT)
-    restart_backoff_s: float = ranged(1.0, DELAY)  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
+    restart_backoff_s: float = ranged(
+        1.0, DELAY
+    )  # the k-th replacement of a replica waits this x 2^(k-1) s (at most 60)
     # A replica with a prompt in generation for longer is taken for hung (alive, no progress):
     # it is killed and replaced, its prompts go back to pending (an attempt each).
     generation_timeout_s: float = ranged(1800.0, TIMEOUT)
     # A replica whose engine (and, spanning nodes, its headless workers) has not started after
     # this long is taken for hung in start-up, killed and replaced the same way.
     start_timeout_s: float = ranged(1800.0, TIMEOUT)
-    first_samples_timeout_s: float = ranged(3600.0, TIMEOUT)  # for the first stored answers (the draft vocabulary waits for them)
+    first_samples_timeout_s: float = ranged(
+        3600.0, TIMEOUT
+    )  # for the first stored answers (the draft vocabulary waits for them)
 
 
 @dataclass
@@ -259,7 +282,9 @@ class CapacityConfig:
     """Expected rates, for the capacity plan `--plan` prints (bandwidth, store memory, which side
     limits). Estimates: a benchmark's or an earlier run's progress line. None: not printed."""
 
-    replica_tokens_per_s: float | None = ranged(None, POSITIVE)  # tokens (prompt + answer) one replica extracts per second
+    replica_tokens_per_s: float | None = ranged(
+        None, POSITIVE
+    )  # tokens (prompt + answer) one replica extracts per second
     rank_tokens_per_s: float | None = ranged(None, POSITIVE)  # tokens one trainer rank trains per second
 
 
@@ -311,7 +336,11 @@ class TestingConfig:
 
     def hooks_set(self) -> list[str]:
         """The hooks that differ from doing nothing."""
-        return [f.name for f in fields(self) if f.name != "enabled" and getattr(self, f.name) != getattr(TestingConfig(), f.name)]
+        return [
+            f.name
+            for f in fields(self)
+            if f.name != "enabled" and getattr(self, f.name) != getattr(TestingConfig(), f.name)
+        ]
 
 
 @dataclass
@@ -335,7 +364,9 @@ class JobConfig:
 
     @property
     def run_dir(self) -> Path:
-        return (ROOT / self.output_dir if not Path(self.output_dir).is_absolute() else Path(self.output_dir)) / self.run_name
+        return (
+            ROOT / self.output_dir if not Path(self.output_dir).is_absolute() else Path(self.output_dir)
+        ) / self.run_name
 
 
 def resolve_for_machine(cfg: JobConfig, cpu=None) -> JobConfig:

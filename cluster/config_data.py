@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.config_fields import AT_LEAST_1, EPOCHS, FRACTION, NON_NEGATIVE, Range, TIMEOUT, choice, ranged
+from cluster.config_fields import AT_LEAST_1, EPOCHS, FRACTION, NON_NEGATIVE, TIMEOUT, Range, choice, ranged
 
 
 @dataclass
 class DataConfig:
     prompts: list[str] = field(default_factory=lambda: ["data/prompts/default.jsonl"])
-    heldout_fraction: float = ranged(0.1, Range(0, 1, open_lo=True, open_hi=True,
-                                                 why="the job evaluates the drafter on the held-out prompts"))
+    heldout_fraction: float = ranged(
+        0.1, Range(0, 1, open_lo=True, open_hi=True, why="the job evaluates the drafter on the held-out prompts")
+    )
     split_seed: int = 0
     epochs: int = ranged(1, EPOCHS)
     # Later epochs train on the stored samples instead of regenerating them; None: when the
@@ -48,7 +49,9 @@ class DataConfig:
     # temperatures (its ECE measured on the evaluated ones); generated, never trained. 0: none.
     calibration_prompts: int = ranged(32, NON_NEGATIVE)
     calibration_wait_s: float = ranged(300.0, TIMEOUT)  # at the end, for those not yet generated
-    eval_timeout_s: float = ranged(1800.0, TIMEOUT)  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
+    eval_timeout_s: float = ranged(
+        1800.0, TIMEOUT
+    )  # per evaluated set (held-out, each eval_sets split); past it the job fails naming it
     # More evaluation sets, never trained on, judged like the held-out split (eval_limit prompts
     # each): name -> prompts file. `ood`: prompts written apart from the training set, which the
     # held-out split (the same generator as the training prompts) cannot show.

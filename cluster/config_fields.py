@@ -17,8 +17,9 @@ class Range:
     why: str = ""  # said with a value out of range, where the bound is not obvious
 
     def holds(self, x) -> bool:
-        return ((self.lo is None or (x > self.lo if self.open_lo else x >= self.lo))
-                and (self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)))
+        return (self.lo is None or (x > self.lo if self.open_lo else x >= self.lo)) and (
+            self.hi is None or (x < self.hi if self.open_hi else x <= self.hi)
+        )
 
     def __str__(self) -> str:
         lo = "" if self.lo is None else f"{'>' if self.open_lo else '>='} {number(self.lo)}"

@@ -38,8 +38,10 @@ def read_yaml(path: str | Path):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of sections (run_name:, target:, ...), "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path}: the top level must be a mapping of sections (run_name:, target:, ...), "
+            f"not a {type(data).__name__}"
+        )
     return OmegaConf.create(data)
 
 

@@ -33,12 +33,12 @@ def last_exception_line(log_text: str) -> str | None:
     if not starts:
         return None
     first = lines[starts[-1]]
-    prefix = first[:first.rindex(TRACEBACK)]
+    prefix = first[: first.rindex(TRACEBACK)]
     found = None
-    for line in lines[starts[-1] + 1:]:
+    for line in lines[starts[-1] + 1 :]:
         if not line.startswith(prefix):
             break
-        body = line[len(prefix):]
+        body = line[len(prefix) :]
         if not body.strip() or body[0].isspace():
             continue
         if body.startswith(CHAIN_LINES) or body.startswith(TRACEBACK):

@@ -43,8 +43,15 @@ class CpuInfo:
 
     def to_dict(self) -> dict:
         shown = sorted(f for f in self.flags if f.startswith(("avx", "amx")) or f in NATIVE_BF16_FLAGS)
-        return {"model": self.model, "cores": self.cores, "native_bf16": self.native_bf16, "flags": shown,
-                "affinity": self.affinity, "quota_cores": self.quota, "usable_cores": self.usable_cores}
+        return {
+            "model": self.model,
+            "cores": self.cores,
+            "native_bf16": self.native_bf16,
+            "flags": shown,
+            "affinity": self.affinity,
+            "quota_cores": self.quota,
+            "usable_cores": self.usable_cores,
+        }
 
 
 def cpu_quota(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup") -> float | None:
@@ -110,7 +117,10 @@ def read_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
 
 
 # Where Debian/Ubuntu put tcmalloc (package libtcmalloc-minimal4, which scripts/bootstrap.sh installs).
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+TCMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
 
 
 def preload_libraries(names: tuple[str, ...] = ("tcmalloc", "iomp")) -> list[str]:

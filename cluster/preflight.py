@@ -60,15 +60,19 @@ def check_output_dir(cfg: JobConfig, environ=os.environ) -> None:
     submit --working-dir` a relative `output_dir` is refused: the job runs in Ray's copy of the
     working directory, where the run (checkpoints, the drafter) would land and be lost with it."""
     if SUBMITTED_JOB_ENV in environ and not Path(cfg.output_dir).is_absolute():
-        raise ConfigError(f"config error at `output_dir`: {cfg.output_dir!r} is relative, and this job was submitted "
-                          f"with `ray job submit`: it runs in Ray's copy of the working directory ({ROOT}), which Ray "
-                          f"removes with the job's files. Give an absolute path (on a cluster: storage every node "
-                          f"shares; scripts/run_local.sh passes output_dir=$PWD/outputs)")
+        raise ConfigError(
+            f"config error at `output_dir`: {cfg.output_dir!r} is relative, and this job was submitted "
+            f"with `ray job submit`: it runs in Ray's copy of the working directory ({ROOT}), which Ray "
+            f"removes with the job's files. Give an absolute path (on a cluster: storage every node "
+            f"shares; scripts/run_local.sh passes output_dir=$PWD/outputs)"
+        )
     for above in (cfg.run_dir, *cfg.run_dir.parents):
         if above.exists():
             if not above.is_dir():
-                raise ConfigError(f"config error at `output_dir`: {above} is a file, not a directory (the run "
-                                  f"directory would be {cfg.run_dir})")
+                raise ConfigError(
+                    f"config error at `output_dir`: {above} is a file, not a directory (the run "
+                    f"directory would be {cfg.run_dir})"
+                )
             return
 
 
@@ -78,11 +82,14 @@ def check_target_path(cfg: JobConfig) -> None:
         return
     path = Path(cfg.target.path)
     if not path.exists():
-        raise ConfigError(f"config error at `target.path`: {path} does not exist (a Hugging Face checkpoint directory, "
-                          f"or `{LOCAL_TARGET}` / `{RANDOM_TARGET}`)")
+        raise ConfigError(
+            f"config error at `target.path`: {path} does not exist (a Hugging Face checkpoint directory, "
+            f"or `{LOCAL_TARGET}` / `{RANDOM_TARGET}`)"
+        )
     if not (path / "config.json").is_file():
-        raise ConfigError(f"config error at `target.path`: {path} has no config.json: not a Hugging Face checkpoint "
-                          "directory")
+        raise ConfigError(
+            f"config error at `target.path`: {path} has no config.json: not a Hugging Face checkpoint directory"
+        )
 
 
 def read_checked(path: Path, key: str) -> list:
@@ -94,8 +101,10 @@ def read_checked(path: Path, key: str) -> list:
 
     if not path.exists():
         there = sorted(p.name for p in PROMPTS_DIR.glob("*.jsonl"))
-        raise ConfigError(f"config error at `{key}`: {path} does not exist"
-                          + (f" ({PROMPTS_DIR} holds {', '.join(there)})" if there else ""))
+        raise ConfigError(
+            f"config error at `{key}`: {path} does not exist"
+            + (f" ({PROMPTS_DIR} holds {', '.join(there)})" if there else "")
+        )
     try:
         convs, report = read_conversations(path)
     except OSError as e:
@@ -103,8 +112,9 @@ def read_checked(path: Path, key: str) -> list:
     if report.bad:
         shown = "; ".join(f"{path}:{line}: {why}" for line, why in report.bad[:SHOWN_BAD_LINES])
         more = f" (and {len(report.bad) - SHOWN_BAD_LINES} more)" if len(report.bad) > SHOWN_BAD_LINES else ""
-        raise ConfigError(f"config error at `{key}`: {len(report.bad)} malformed line(s) of {path}: {shown}{more}; "
-                          "fix or remove them")
+        raise ConfigError(
+            f"config error at `{key}`: {len(report.bad)} malformed line(s) of {path}: {shown}{more}; fix or remove them"
+        )
     if not convs:
         raise ConfigError(f"config error at `{key}`: no prompts in {path}")
     return convs
@@ -117,8 +127,10 @@ def read_prompt_files(cfg: JobConfig) -> list:
         path = repo_path(src)
         for c in read_checked(path, f"data.prompts[{i}]"):
             if c.id in where:
-                raise ConfigError(f"config error at `data.prompts`: prompt id {c.id!r} appears twice across "
-                                  f"data.prompts ({where[c.id]} and {path})")
+                raise ConfigError(
+                    f"config error at `data.prompts`: prompt id {c.id!r} appears twice across "
+                    f"data.prompts ({where[c.id]} and {path})"
+                )
             where[c.id] = path
             convs.append(c)
     if not convs:
@@ -133,11 +145,15 @@ def check_split(cfg: JobConfig, convs: list) -> None:
 
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
     if not held:
-        raise ConfigError(f"config error at `data.heldout_fraction`: {cfg.data.heldout_fraction} of {len(convs)} prompts "
-                          f"holds out none, and the job evaluates the drafter on the held-out prompts: raise it")
+        raise ConfigError(
+            f"config error at `data.heldout_fraction`: {cfg.data.heldout_fraction} of {len(convs)} prompts "
+            f"holds out none, and the job evaluates the drafter on the held-out prompts: raise it"
+        )
     if not train:
-        raise ConfigError(f"config error at `data.heldout_fraction`: {cfg.data.heldout_fraction} holds out all "
-                          f"{len(convs)} prompts: none is left to train on")
+        raise ConfigError(
+            f"config error at `data.heldout_fraction`: {cfg.data.heldout_fraction} holds out all "
+            f"{len(convs)} prompts: none is left to train on"
+        )
 
 
 class RunDirLock:
@@ -164,11 +180,17 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who it is"
             os.close(fd)
-            raise ConfigError(f"run directory {self.run_dir} is in use by another job: {holder}. Wait for it to end "
-                              "(or stop it), or give this one another run_name or output_dir") from None
+            raise ConfigError(
+                f"run directory {self.run_dir} is in use by another job: {holder}. Wait for it to end "
+                "(or stop it), or give this one another run_name or output_dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode(), 0)
+        os.pwrite(
+            fd,
+            f"pid {os.getpid()} on {socket.gethostname()}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode(),
+            0,
+        )
         self.fd = fd
         return self
 
@@ -215,7 +237,9 @@ def ray_head_address(environ=os.environ, record: Path | None = None) -> RayHead 
     return RayHead(text, record) if text else None
 
 
-def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> RayHead | None:
+def check_ray_head(
+    environ=os.environ, record: Path | None = None, timeout_s: float = RAY_PROBE_TIMEOUT_S
+) -> RayHead | None:
     """A TCP connect to the head's GCS within `timeout_s`, before `ray.init`: against a head
     that died (a crash, a reboot that left the record behind), `ray.init` waits on its address
     without end, saying only "Connecting to existing Ray cluster"."""
@@ -230,14 +254,18 @@ def check_ray_head(environ=os.environ, record: Path | None = None, timeout_s: fl
     except OSError as e:
         why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
         if head.record is None:
-            raise ConfigError(f"RAY_ADDRESS={environ['RAY_ADDRESS']}: no Ray head answers at {head.address} ({why}). "
-                              "Start that head, or point RAY_ADDRESS at a running one (RAY_ADDRESS=local: the job "
-                              "starts its own)") from None
-        raise ConfigError(f"no Ray head answers at {head.address} ({why}), the address in Ray's record of the current "
-                          f"cluster, {head.record}: the head it names is gone (a crash, or a reboot that left the record "
-                          f"behind). Remove that file (or run `ray stop`, which also stops this user's other Ray "
-                          f"processes here) and the job starts its own Ray; or set RAY_ADDRESS=host:port to a running "
-                          f"head") from None
+            raise ConfigError(
+                f"RAY_ADDRESS={environ['RAY_ADDRESS']}: no Ray head answers at {head.address} ({why}). "
+                "Start that head, or point RAY_ADDRESS at a running one (RAY_ADDRESS=local: the job "
+                "starts its own)"
+            ) from None
+        raise ConfigError(
+            f"no Ray head answers at {head.address} ({why}), the address in Ray's record of the current "
+            f"cluster, {head.record}: the head it names is gone (a crash, or a reboot that left the record "
+            f"behind). Remove that file (or run `ray stop`, which also stops this user's other Ray "
+            f"processes here) and the job starts its own Ray; or set RAY_ADDRESS=host:port to a running "
+            f"head"
+        ) from None
     return head
 
 
@@ -283,9 +311,11 @@ def join_ray(init, head: RayHead | None, stop_sent, timeout_s: float = RAY_INIT_
             raise JobStopped(f"stopped while joining Ray: {stop.reason}", "start-up (joining Ray)")
         if time.monotonic() > deadline and thread.is_alive():
             where = head.address if head is not None else "a Ray of its own"
-            raise ConfigError(f"ray.init did not connect to {where} within {timeout_s:g} s. A head started on loopback "
-                              f"needs {LOOPBACK_SWITCH}=0 in every process that joins it (the job sets it where the "
-                              f"head's address is 127.0.0.1); check the head with `ray status`, or run with "
-                              f"RAY_ADDRESS=local (the job starts its own Ray)")
+            raise ConfigError(
+                f"ray.init did not connect to {where} within {timeout_s:g} s. A head started on loopback "
+                f"needs {LOOPBACK_SWITCH}=0 in every process that joins it (the job sets it where the "
+                f"head's address is 127.0.0.1); check the head with `ray status`, or run with "
+                f"RAY_ADDRESS=local (the job starts its own Ray)"
+            )
     if "error" in outcome:
         raise outcome["error"]

@@ -21,8 +21,11 @@ from dspark.chat import ChatFormat
 
 log = logging.getLogger("cluster.target")
 
-PROBE_CONVERSATION = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
-                      {"role": "user", "content": "How are you?"}]
+PROBE_CONVERSATION = [
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "How are you?"},
+]
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,14 @@ def read_config(path: str, trust_remote_code: bool):
     except (OSError, ValueError) as e:  # not JSON, no model_type, an unknown architecture: a config mistake
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if not trust_remote_code and "trust_remote_code" in str(e):
-            raise ConfigError(f"config error at `target.trust_remote_code`: {path} ships its own model code (config.json "
-                              f"`auto_map`), which runs only with target.trust_remote_code=true; set it if you trust "
-                              f"that code. transformers: {first}") from None
-        raise ConfigError(f"config error at `target.path`: transformers cannot read {path} as a model: {first}") from None
+            raise ConfigError(
+                f"config error at `target.trust_remote_code`: {path} ships its own model code (config.json "
+                f"`auto_map`), which runs only with target.trust_remote_code=true; set it if you trust "
+                f"that code. transformers: {first}"
+            ) from None
+        raise ConfigError(
+            f"config error at `target.path`: transformers cannot read {path} as a model: {first}"
+        ) from None
 
 
 def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:
@@ -78,9 +85,11 @@ def read_chat_format(cfg: JobConfig, path: str) -> ChatFormat:
         render_with_loss_mask(tok, PROBE_CONVERSATION, chat)
     except Exception as e:  # jinja's errors, a template without an assistant turn, ...
         key = "target.chat_template" if t.chat_template else "target.chat_template_kwargs"
-        raise ConfigError(f"config error at `{key}`: the chat template ({t.chat_template or 'the tokenizer’s own'}, "
-                          f"options {dict(t.chat_template_kwargs)}) fails on a two-turn conversation: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"config error at `{key}`: the chat template ({t.chat_template or 'the tokenizer’s own'}, "
+            f"options {dict(t.chat_template_kwargs)}) fails on a two-turn conversation: "
+            f"{type(e).__name__}: {e}"
+        ) from None
     return chat
 
 
@@ -96,9 +105,14 @@ def capture_gap(cls: type) -> str | None:
     """Why `cls` cannot capture hidden states, or None when it can."""
     from vllm.model_executor.models.interfaces import supports_eagle3
 
-    return None if supports_eagle3(cls) else (
-        f"vLLM's {cls.__name__} does not implement the aux-hidden-state interface (SupportsEagle3) that "
-        f"hidden-state capture needs")
+    return (
+        None
+        if supports_eagle3(cls)
+        else (
+            f"vLLM's {cls.__name__} does not implement the aux-hidden-state interface (SupportsEagle3) that "
+            f"hidden-state capture needs"
+        )
+    )
 
 
 def vllm_extraction_gap(architectures: list[str]) -> str | None:
@@ -124,6 +138,8 @@ def read_target(cfg: JobConfig) -> TargetFacts:
     if cfg.inference.backend == "vllm":
         gap = vllm_extraction_gap(list(getattr(tcfg, "architectures", None) or []))
         if gap:
-            raise ConfigError(f"config error at `target.path`: {path} ({', '.join(tcfg.architectures)}): {gap}; "
-                              f"train from transformers-captured states offline (dspark.hf_dataset) instead")
+            raise ConfigError(
+                f"config error at `target.path`: {path} ({', '.join(tcfg.architectures)}): {gap}; "
+                f"train from transformers-captured states offline (dspark.hf_dataset) instead"
+            )
     return TargetFacts(path, tcfg, chat, cfg.target.trust_remote_code)

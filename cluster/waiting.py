@@ -8,13 +8,22 @@ may raise itself to end the wait early (a process that exited, an error that wil
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], *, timeout_s: float, interval_s: float | Callable[[int], float], what: str,
-               on_timeout: Callable[[], BaseException] | None = None, clock=time.monotonic, sleep=time.sleep) -> T:
+def wait_until(
+    condition: Callable[[], T],
+    *,
+    timeout_s: float,
+    interval_s: float | Callable[[int], float],
+    what: str,
+    on_timeout: Callable[[], BaseException] | None = None,
+    clock=time.monotonic,
+    sleep=time.sleep,
+) -> T:
     """Poll `condition` until it returns a truthy value, and return that value.
 
     `interval_s`: seconds between polls, or a function of the number of polls so far (a

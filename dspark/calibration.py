@@ -45,7 +45,10 @@ def sequential_temperature_scaling(
             prefix = prefix * torch.sigmoid(logits[:, j])
             continue
         errs = torch.stack(
-            [expected_calibration_error((prefix * torch.sigmoid(logits[:, j] / t))[rows], survive[rows, j], n_bins) for t in grid]
+            [
+                expected_calibration_error((prefix * torch.sigmoid(logits[:, j] / t))[rows], survive[rows, j], n_bins)
+                for t in grid
+            ]
         )
         best = int(torch.argmin(errs))
         temps.append(float(grid[best]))

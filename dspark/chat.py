@@ -22,11 +22,11 @@ class ChatFormat:
     kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
 
     @classmethod
-    def from_options(cls, template_file: str | None, kwargs: dict[str, Any] | None) -> "ChatFormat":
+    def from_options(cls, template_file: str | None, kwargs: dict[str, Any] | None) -> ChatFormat:
         return cls(Path(template_file).read_text() if template_file else None, dict(kwargs or {}))
 
     @classmethod
-    def from_record(cls, record: dict[str, Any] | None) -> "ChatFormat":
+    def from_record(cls, record: dict[str, Any] | None) -> ChatFormat:
         """The format an exported drafter was trained with (`DSparkConfig.chat_format`)."""
         record = record or {}
         return cls(record.get("template"), dict(record.get("kwargs") or {}))
@@ -41,12 +41,21 @@ class ChatFormat:
         """What the exported checkpoint keeps: the template text actually used (the tokenizer's,
         if none was configured), its hash, and the options."""
         text = self.text(tok)
-        return {"template": text, "sha256": hashlib.sha256(text.encode()).hexdigest(), "kwargs": dict(self.kwargs),
-                "source": "config" if self.template else "tokenizer"}
+        return {
+            "template": text,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "kwargs": dict(self.kwargs),
+            "source": "config" if self.template else "tokenizer",
+        }
 
     def render(self, tok, messages: list[dict], add_generation_prompt: bool) -> str:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       chat_template=self.text(tok), **self.kwargs)
+        return tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.text(tok),
+            **self.kwargs,
+        )
 
 
 TOKENIZER_DEFAULT = ChatFormat()
@@ -58,7 +67,9 @@ def render_prompt(tok, messages: list[dict], chat: ChatFormat = TOKENIZER_DEFAUL
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def render_with_loss_mask(tok, messages: list[dict], chat: ChatFormat = TOKENIZER_DEFAULT) -> tuple[list[int], list[bool]]:
+def render_with_loss_mask(
+    tok, messages: list[dict], chat: ChatFormat = TOKENIZER_DEFAULT
+) -> tuple[list[int], list[bool]]:
     """Token ids of a whole conversation and a mask that is True exactly on assistant tokens.
 
     Spans come from the chat template itself: the text the template adds for assistant turn i
@@ -86,8 +97,9 @@ def render_with_loss_mask(tok, messages: list[dict], chat: ChatFormat = TOKENIZE
     return list(enc["input_ids"]), mask
 
 
-def render_prompt_with_spans(tok, messages: list[dict], chat: ChatFormat = TOKENIZER_DEFAULT
-                             ) -> tuple[list[int], list[tuple[int, int]]]:
+def render_prompt_with_spans(
+    tok, messages: list[dict], chat: ChatFormat = TOKENIZER_DEFAULT
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Prompt ids (with the generation prompt) and the [start, end) token spans of the
     assistant turns already inside it; the answer generated next is all assistant tokens."""
     ids = render_prompt(tok, messages, chat)

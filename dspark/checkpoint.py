@@ -68,7 +68,9 @@ def export_dflash_backbone(model: DSparkDrafter, dest: str | Path) -> Path:
     cfg = copy.deepcopy(model.config)
     cfg.mode, cfg.markov_rank, cfg.enable_confidence_head, cfg.confidence_head_with_markov = "dflash", 0, False, False
     cfg.confidence_temperatures = None
-    backbone = {k: v for k, v in model.trainable_state_dict().items() if not k.startswith(("markov_head.", "confidence_head."))}
+    backbone = {
+        k: v for k, v in model.trainable_state_dict().items() if not k.startswith(("markov_head.", "confidence_head."))
+    }
     return _write_checkpoint(dest, cfg, backbone)
 
 
@@ -95,7 +97,10 @@ def load_drafter(
     unexpected = set(state) - expected - set(FROZEN_TARGET_KEYS)
     missing = expected - set(state) - {"lm_head.weight"}
     if unexpected or missing:
-        raise ValueError(f"{ckpt_dir}: checkpoint does not fit its config: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"{ckpt_dir}: checkpoint does not fit its config: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
     state = {k: v for k, v in state.items() if k in expected}
     model.load_state_dict(state, strict=False)
     if model.use_draft_vocab and "lm_head.weight" not in state:
@@ -111,9 +116,17 @@ def _flatten(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
         tensors[path] = obj.detach().to("cpu").contiguous()
         return {"__tensor__": path}
     if isinstance(obj, dict):
-        return {"__dict__": [[_flatten(k, tensors, f"{path}.k{i}"), _flatten(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__dict__": [
+                [_flatten(k, tensors, f"{path}.k{i}"), _flatten(v, tensors, f"{path}.{i}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [_flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_flatten(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)],
+            "tuple": isinstance(obj, tuple),
+        }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"cannot store {type(obj).__name__} at {path} in trainer state")

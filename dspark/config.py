@@ -48,8 +48,7 @@ def resolve_mask_token_id(tokenizer) -> int:
     if getattr(tokenizer, "mask_token_id", None) is not None:
         return int(tokenizer.mask_token_id)
     reserved = {
-        getattr(tokenizer, name, None)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     }
     template = getattr(tokenizer, "chat_template", None) or ""
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -219,8 +218,9 @@ class DSparkConfig(PretrainedConfig):
 
     # ---- construction from a target ------------------------------------------------------
     @classmethod
-    def from_target(cls, target: str | Path | PretrainedConfig, trust_remote_code: bool = False,
-                    **settings: Any) -> "DSparkConfig":
+    def from_target(
+        cls, target: str | Path | PretrainedConfig, trust_remote_code: bool = False, **settings: Any
+    ) -> DSparkConfig:
         """Drafter config for a target checkpoint dir (or its config) plus drafter settings.
 
         `trust_remote_code` is for targets whose config class ships in their directory; it is
@@ -240,7 +240,8 @@ class DSparkConfig(PretrainedConfig):
             from transformers import AutoTokenizer
 
             settings["mask_token_id"] = resolve_mask_token_id(
-                AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+                AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            )
         num_layers = settings.pop("num_layers", 1)
         aux_count = settings.pop("num_aux_layers", 5)
         if not settings.get("aux_layer_ids"):
@@ -249,7 +250,8 @@ class DSparkConfig(PretrainedConfig):
         return cls(
             num_layers=num_layers,
             hidden_size=tcfg.hidden_size,
-            intermediate_size=settings.pop("intermediate_size", None) or getattr(tcfg, "intermediate_size", None)
+            intermediate_size=settings.pop("intermediate_size", None)
+            or getattr(tcfg, "intermediate_size", None)
             or 3 * tcfg.hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -346,7 +348,7 @@ class DSparkConfig(PretrainedConfig):
         return out
 
     @classmethod
-    def from_speculators_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+    def from_speculators_dict(cls, d: dict[str, Any]) -> DSparkConfig:
         mode = d.get("speculators_model_type")
         if mode not in MODES:
             raise ValueError(f"not a DSpark/DFlash speculators config (speculators_model_type={mode!r})")

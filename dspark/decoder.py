@@ -90,8 +90,14 @@ class TargetBatch:
         if logits_at is not None:  # only the columns asked for: a prefill's full logits are large
             kwargs["logits_to_keep"] = torch.tensor(sorted(set(logits_at)), device=self.device)
         with capture_hidden_states(self.model, self.layer_ids) as cap:
-            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.long().to(self.device),
-                             position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True, **kwargs)
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.long().to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
         hidden = torch.stack([cap[i] for i in self.layer_ids], dim=2)
         logits = out.logits.float()
         if logits_at is not None:
@@ -104,7 +110,7 @@ class TargetBatch:
         """Of the last call's columns, row i keeps its first `counts[i]`."""
         c = self.mask.shape[1]
         for i, k in enumerate(counts):
-            self.mask[i, c - self.width + k:] = False
+            self.mask[i, c - self.width + k :] = False
         self.lengths = self.mask.sum(1)
 
     def select(self, rows: list[int]) -> None:
@@ -132,7 +138,7 @@ class DecodeStats:
         self.drafted += drafted
         self.accepted += accepted
 
-    def merge(self, other: "DecodeStats") -> None:
+    def merge(self, other: DecodeStats) -> None:
         width = max(len(self.drafted_at), len(other.drafted_at))
         pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
         self.drafted_at = [a + b for a, b in zip(pad(self.drafted_at), pad(other.drafted_at))]
@@ -215,12 +221,21 @@ class SpeculativeDecoder:
         self.n_aux = len(drafter.config.aux_layer_ids)
 
     @classmethod
-    def from_recipe(cls, target_model, drafter: DSparkDrafter, spec: dict, temperature: float, **kwargs) -> "SpeculativeDecoder":
+    def from_recipe(
+        cls, target_model, drafter: DSparkDrafter, spec: dict, temperature: float, **kwargs
+    ) -> SpeculativeDecoder:
         """The decoder vLLM's `--speculative-config` `spec` describes (`dspark.recipe.speculative_config`):
         the same draft sampling, rejection rule and number of drafts, so τ measured here is τ of
         the recipe that is served."""
-        return cls(target_model, drafter, spec["draft_sample_method"], spec["rejection_sample_method"], temperature,
-                   num_speculative_tokens=spec["num_speculative_tokens"], **kwargs)
+        return cls(
+            target_model,
+            drafter,
+            spec["draft_sample_method"],
+            spec["rejection_sample_method"],
+            temperature,
+            num_speculative_tokens=spec["num_speculative_tokens"],
+            **kwargs,
+        )
 
     def _aux(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden[:, : self.n_aux].reshape(hidden.shape[0], -1)
@@ -238,9 +253,11 @@ class SpeculativeDecoder:
         while not _done(out, max_new_tokens, stop):
             anchor = out[-1]
             budget = min(self.k, max_new_tokens - len(out) - 1)
-            prop = self.drafter.propose(
-                ctx, anchor, budget, self.temperature if sampled_drafts else 0.0, self.generator
-            ) if budget > 0 else None
+            prop = (
+                self.drafter.propose(ctx, anchor, budget, self.temperature if sampled_drafts else 0.0, self.generator)
+                if budget > 0
+                else None
+            )
             drafts = prop.tokens if prop is not None else torch.zeros(0, dtype=torch.long)
             if prop is not None and self.step_rates is not None and drafts.numel():
                 keep = schedule_prefixes([prop.confidence], self.step_rates)[0]
@@ -264,8 +281,14 @@ class SpeculativeDecoder:
         return _finish(out, max_new_tokens, stop), stats
 
     @torch.no_grad()
-    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(),
-                      max_batch_tokens: int = 4096, max_batch_rows: int = 16) -> list[tuple[list[int], DecodeStats]]:
+    def generate_many(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_ids=(),
+        max_batch_tokens: int = 4096,
+        max_batch_rows: int = 16,
+    ) -> list[tuple[list[int], DecodeStats]]:
         """`generate` for several prompts. Greedy decoding runs them in batches of similar
         length (at most `max_batch_rows` rows and `max_batch_tokens` padded prompt tokens, which
         bounds the prefill's memory): one drafter pass and one target forward per step for the
@@ -278,8 +301,12 @@ class SpeculativeDecoder:
         chunk: list[int] = []
         for i in order + [None]:
             # sorted by length: the newest prompt is the longest, and sets the padded width
-            if chunk and (i is None or len(chunk) == max_batch_rows or (len(chunk) + 1) * len(prompts[i]) > max_batch_tokens):
-                for j, r in zip(chunk, self._generate_batch([prompts[j] for j in chunk], max_new_tokens, set(stop_ids))):
+            if chunk and (
+                i is None or len(chunk) == max_batch_rows or (len(chunk) + 1) * len(prompts[i]) > max_batch_tokens
+            ):
+                for j, r in zip(
+                    chunk, self._generate_batch([prompts[j] for j in chunk], max_new_tokens, set(stop_ids))
+                ):
                     results[j] = r
                 chunk = []
             if i is not None:
@@ -336,7 +363,7 @@ class SpeculativeDecoder:
                 outs[i] += c[:m]
                 block[i][1] += m
                 kept.append(m + 1)
-                rest = left[i][len(c):]
+                rest = left[i][len(c) :]
                 if m == len(c) and rest and rest[0] == nxt:
                     # the next draft is the target's token: accepted, and verification goes on from it
                     outs[i].append(nxt)
@@ -360,8 +387,9 @@ def greedy_mismatches(model, prompt_ids: list[int], output: list[int]) -> list[i
 
 
 @torch.no_grad()
-def greedy_mismatches_many(model, prompts: list[list[int]], outputs: list[list[int]], max_rows: int = 8,
-                           max_batch_tokens: int = 8192) -> list[list[int]]:
+def greedy_mismatches_many(
+    model, prompts: list[list[int]], outputs: list[list[int]], max_rows: int = 8, max_batch_tokens: int = 8192
+) -> list[list[int]]:
     """`greedy_mismatches` of several outputs, up to `max_rows` teacher-forced sequences and
     `max_batch_tokens` padded tokens per forward (a masked forward pays for every padded
     position, quadratically in attention: 8 rows padded to a 7K-token prompt took 317 s on 2
@@ -384,13 +412,18 @@ def greedy_mismatches_many(model, prompts: list[list[int]], outputs: list[list[i
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for r, seq in enumerate(seqs):
-            ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[r, width - len(seq):] = 1
+            ids[r, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[r, width - len(seq) :] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False,
-                       logits_to_keep=keep).logits
+        logits = model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=pos.to(dev),
+            use_cache=False,
+            logits_to_keep=keep,
+        ).logits
         for r, i in enumerate(rows):
-            best = logits[r, keep - len(outputs[i]):].float().argmax(-1).tolist()
+            best = logits[r, keep - len(outputs[i]) :].float().argmax(-1).tolist()
             found[i] = [j for j, (a, b) in enumerate(zip(outputs[i], best)) if a != b]
     return found
 

@@ -30,14 +30,22 @@ class EvalSet:
     budget_s: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str) -> "EvalSet":
+    def from_dict(cls, raw: dict, where: str) -> EvalSet:
         known = {f.name for f in fields(cls)}
         if not isinstance(raw, dict) or not {"prompts", "json"} <= set(raw) or set(raw) - known:
-            raise SystemExit(f"{where}: each set is a mapping with prompts and json, and only {sorted(known)}; got {raw!r}")
+            raise SystemExit(
+                f"{where}: each set is a mapping with prompts and json, and only {sorted(known)}; got {raw!r}"
+            )
         out = cls(**raw)
-        if out.temperature < 0 or out.max_new_tokens < 1 or (out.limit is not None and out.limit < 1) \
-                or (out.per_length_bucket is not None and out.per_length_bucket < 1):
-            raise SystemExit(f"{where}: a negative temperature, or a limit, per_length_bucket or max_new_tokens below 1: {raw!r}")
+        if (
+            out.temperature < 0
+            or out.max_new_tokens < 1
+            or (out.limit is not None and out.limit < 1)
+            or (out.per_length_bucket is not None and out.per_length_bucket < 1)
+        ):
+            raise SystemExit(
+                f"{where}: a negative temperature, or a limit, per_length_bucket or max_new_tokens below 1: {raw!r}"
+            )
         if out.budget_s is not None and not out.budget_s > 0:
             raise SystemExit(f"{where}: budget_s must be > 0: {raw!r}")
         if out.max_prompt_tokens is not None and (out.per_length_bucket is None or out.max_prompt_tokens < 1):
@@ -54,7 +62,9 @@ def length_bucket(tokens: int, edges=DEFAULT_LENGTH_EDGES) -> int:
     return max(i for i, lo in enumerate(edges) if tokens >= lo)
 
 
-def per_bucket(convs: list, prompts: list[list[int]], n: int, max_tokens: int | None = None) -> tuple[list, list[list[int]]]:
+def per_bucket(
+    convs: list, prompts: list[list[int]], n: int, max_tokens: int | None = None
+) -> tuple[list, list[list[int]]]:
     """`n` prompts from each context-length bucket, round-robin over categories inside it, the
     k-th bucket starting at the k-th category (one prompt per bucket still covers every
     category); prompts over `max_tokens` left out; shortest first. A long-context set judged by

@@ -38,15 +38,15 @@ from pathlib import Path
 
 import torch
 
+from .chat import ChatFormat, render_prompt
 from .checkpoint import load_drafter
 from .decoder import SpeculativeDecoder, greedy_mismatches_many, target_generate
+from .eval_sets import EvalSet, per_bucket
 from .prompts import read_conversations, split
 from .recipe import speculative_config
 from .scheduler import StepRateTable
-from .eval_sets import EvalSet, per_bucket
-from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
-from .chat import ChatFormat, render_prompt
 from .targets import load_target
+from .tau_report import RequestResult, fmt, format_length_table, format_table, stratified, summarize
 
 log = logging.getLogger("dspark.evaluate")
 
@@ -61,50 +61,84 @@ def plan_sets(args: argparse.Namespace) -> list[EvalSet]:
         if not isinstance(raw, list) or not raw:
             raise SystemExit(f"--plan {args.plan}: a JSON list of sets, not {type(raw).__name__}")
         return [EvalSet.from_dict(r, f"--plan {args.plan} set {i}") for i, r in enumerate(raw)]
-    return [EvalSet(p, o, args.temperature, args.limit, args.max_new_tokens) for p, o in zip(args.prompts, args.json_out)]
+    return [
+        EvalSet(p, o, args.temperature, args.limit, args.max_new_tokens) for p, o in zip(args.prompts, args.json_out)
+    ]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True, help="drafter checkpoint dir (speculators format)")
-    p.add_argument("--prompts", action="append", default=[],
-                   help="repeat it, each with its own --json: the sets are judged with the target and drafter loaded once")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        help="repeat it, each with its own --json: the sets are judged with the target and drafter loaded once",
+    )
     p.add_argument("--json", action="append", dest="json_out", default=[])
-    p.add_argument("--plan", default=None, help="a JSON list of sets, each with its own settings (EvalSet); "
-                                                 "in place of --prompts/--json")
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="a JSON list of sets, each with its own settings (EvalSet); in place of --prompts/--json",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy")
     p.add_argument("--rejection-sample-method", choices=["standard", "block"], default="standard")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--split", choices=["all", "train", "heldout"], default="all",
-                   help="evaluate only one side of the deterministic prompt split")
+    p.add_argument(
+        "--split",
+        choices=["all", "train", "heldout"],
+        default="all",
+        help="evaluate only one side of the deterministic prompt split",
+    )
     p.add_argument("--heldout-fraction", type=float, default=0.1)
     p.add_argument("--split-seed", type=int, default=0)
-    p.add_argument("--step-rates", default=None,
-                   help="JSON file {batch_tokens: [...], steps_per_s: [...]} enabling the prefix scheduler")
+    p.add_argument(
+        "--step-rates",
+        default=None,
+        help="JSON file {batch_tokens: [...], steps_per_s: [...]} enabling the prefix scheduler",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="prompts decoded side by side (greedy): one drafter pass and one target forward per step")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="prompts decoded side by side (greedy): one drafter pass and one target forward per step",
+    )
     p.add_argument("--batch-tokens", type=int, default=8192, help="at most this many padded prompt tokens in a batch")
-    p.add_argument("--lossless-check", choices=["one-pass", "decode"], default="one-pass",
-                   help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
-                        "(which also measures its speed)")
+    p.add_argument(
+        "--lossless-check",
+        choices=["one-pass", "decode"],
+        default="one-pass",
+        help="greedy: one teacher-forced target pass over each output, or the target's own full decode "
+        "(which also measures its speed)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the model code shipped in the target's directory (targets trained with "
-                        "target.trust_remote_code): only on this flag, never on the drafter's say-so")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the target and the drafter (default: torch's own choice, which follows "
-                        "OMP_NUM_THREADS)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model code shipped in the target's directory (targets trained with "
+        "target.trust_remote_code): only on this flag, never on the drafter's say-so",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the target and the drafter (default: torch's own choice, which follows OMP_NUM_THREADS)",
+    )
     # 1: at τ ≈ 1.3 most blocks fail at their first draft, so each forward checks 2 positions
     # per row instead of 3 (the local job's two sets decoded in 42 s instead of 53 s at width 2 on
     # a 2-core AMD EPYC; τ the same to the last digit, as it must be).
-    p.add_argument("--verify-width", type=int, default=1,
-                   help="greedy: drafts of a block the target checks per forward, the rest only once "
-                        "these survive (the same acceptance as checking the whole block; 0: the whole block)")
+    p.add_argument(
+        "--verify-width",
+        type=int,
+        default=1,
+        help="greedy: drafts of a block the target checks per forward, the rest only once "
+        "these survive (the same acceptance as checking the whole block; 0: the whole block)",
+    )
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: at least 1")
@@ -124,9 +158,11 @@ def check_remote_code(args: argparse.Namespace) -> dict:
     except (OSError, ValueError) as e:
         raise SystemExit(f"--drafter {args.drafter}: cannot read its config.json ({e})") from None
     if raw.get("dspark_cluster", {}).get("target_trust_remote_code") and not args.trust_remote_code:
-        raise SystemExit(f"--drafter {args.drafter} was trained on a target that runs its own model code "
-                         f"(target_trust_remote_code in its config.json): pass --trust-remote-code if you trust the "
-                         f"code in {args.target}")
+        raise SystemExit(
+            f"--drafter {args.drafter} was trained on a target that runs its own model code "
+            f"(target_trust_remote_code in its config.json): pass --trust-remote-code if you trust the "
+            f"code in {args.target}"
+        )
     return raw
 
 
@@ -183,27 +219,38 @@ def evaluate_sets(args: argparse.Namespace, specs: list[EvalSet] | None = None) 
     return results
 
 
-def make_decoders(args: argparse.Namespace, specs: list[EvalSet], model, drafter, drafter_record: dict,
-                  rates) -> list[SpeculativeDecoder]:
+def make_decoders(
+    args: argparse.Namespace, specs: list[EvalSet], model, drafter, drafter_record: dict, rates
+) -> list[SpeculativeDecoder]:
     """A decoder per set; sets that decode alike share one (and may be decoded in one pass)."""
     made: dict[tuple, SpeculativeDecoder] = {}
     out = []
     for spec in specs:
         if spec.recipe:  # as vLLM serves this checkpoint: τ of the recipe that ships with it
             served = speculative_config(drafter_record, args.target)
-            draft, rejection, k = served["draft_sample_method"], served["rejection_sample_method"], served["num_speculative_tokens"]
+            draft, rejection, k = (
+                served["draft_sample_method"],
+                served["rejection_sample_method"],
+                served["num_speculative_tokens"],
+            )
         else:
             draft, rejection, k = args.draft_sample_method, args.rejection_sample_method, args.num_speculative_tokens
         key = (spec.temperature, draft, rejection, k)
         if key not in made:
-            made[key] = SpeculativeDecoder(model, drafter, draft, rejection, spec.temperature, k, rates, args.seed,
-                                           args.verify_width or None)
+            made[key] = SpeculativeDecoder(
+                model, drafter, draft, rejection, spec.temperature, k, rates, args.seed, args.verify_width or None
+            )
         out.append(made[key])
     return out
 
 
-def decode_sets(args: argparse.Namespace, specs: list[EvalSet], decoders: list[SpeculativeDecoder],
-                prompts: list[list[list[int]]], stop: set[int]) -> list[tuple[list, float]]:
+def decode_sets(
+    args: argparse.Namespace,
+    specs: list[EvalSet],
+    decoders: list[SpeculativeDecoder],
+    prompts: list[list[list[int]]],
+    stop: set[int],
+) -> list[tuple[list, float]]:
     """Each set's speculative outputs and decode seconds. Greedy sets (with the one-pass check)
     that share a decoder and an answer length are decoded in one pass: a greedy output does not
     depend on what else is in the batch, and fuller batches (`--batch-size` rows) make the
@@ -222,19 +269,25 @@ def decode_sets(args: argparse.Namespace, specs: list[EvalSet], decoders: list[S
             decoded[group[0]] = decode_within(decoder, prompts[group[0]], max_new, stop, specs[group[0]].budget_s)
             continue
         t0 = time.perf_counter()
-        outs = decoder.generate_many([p for k in group for p in prompts[k]], max_new, stop,
-                                     max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_size)
+        outs = decoder.generate_many(
+            [p for k in group for p in prompts[k]],
+            max_new,
+            stop,
+            max_batch_tokens=args.batch_tokens,
+            max_batch_rows=args.batch_size,
+        )
         seconds, total = time.perf_counter() - t0, max(1, sum(len(out) for out, _ in outs))
         start = 0
         for k in group:
-            mine = outs[start: start + len(prompts[k])]
+            mine = outs[start : start + len(prompts[k])]
             start += len(prompts[k])
             decoded[k] = mine, seconds if len(group) == 1 else seconds * sum(len(out) for out, _ in mine) / total
     return decoded
 
 
-def decode_within(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, stop: set[int],
-                  budget_s: float) -> tuple[list, float]:
+def decode_within(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, stop: set[int], budget_s: float
+) -> tuple[list, float]:
     """The prompts one at a time, in order, while the next one's expected cost — the seconds per
     token so far times its prompt and answer tokens (a long prompt's prefill is most of its
     cost) — still fits in `budget_s`; the first always runs. The outputs of those decoded, and
@@ -251,8 +304,15 @@ def decode_within(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new
     return outs, spent
 
 
-def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: list[list[int]],
-                 decoder: SpeculativeDecoder, stop: set[int], decoded: tuple[list, float]) -> dict:
+def evaluate_one(
+    args: argparse.Namespace,
+    spec: EvalSet,
+    convs: list,
+    prompts: list[list[int]],
+    decoder: SpeculativeDecoder,
+    stop: set[int],
+    decoded: tuple[list, float],
+) -> dict:
     """The figures of one set from its speculative outputs and their decode seconds. Sampled
     output cannot be compared token for token (the distribution is what stays the target's:
     tests/unit/test_speculative_lossless.py); the target decodes alone only with
@@ -273,8 +333,11 @@ def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: 
     # Greedy output is what the target emits when each token is its argmax given the ones before:
     # one teacher-forced pass (batched) checks that. A mismatch there (an exact tie, or batched
     # arithmetic, can break either way) is settled by the target's own decode.
-    mismatches = (greedy_mismatches_many(model, prompts, [out for out, _ in decoded])
-                  if greedy and not reference else [None] * len(convs))
+    mismatches = (
+        greedy_mismatches_many(model, prompts, [out for out, _ in decoded])
+        if greedy and not reference
+        else [None] * len(convs)
+    )
     rows: list[RequestResult] = []
     requests, lossless = [], True if greedy else None
     for c, ids, ref, (out, stats), wrong in zip(convs, prompts, refs, decoded, mismatches):
@@ -288,10 +351,18 @@ def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: 
                 log.error("LOSSLESS VIOLATION on %s", c.id)
         rows.append(RequestResult(c.id, c.category, len(ids), stats))
         log.info("%s (%d prompt tokens): tau %s", c.id, len(ids), fmt(stats.tau if stats.steps else None))
-        requests.append({"id": c.id, "category": c.category, "prompt_tokens": len(ids),
-                         "tau": stats.tau if stats.steps else None,
-                         "steps": stats.steps, "accepted": stats.accepted, "generated_tokens": len(out),
-                         "identical_to_target": same})
+        requests.append(
+            {
+                "id": c.id,
+                "category": c.category,
+                "prompt_tokens": len(ids),
+                "tau": stats.tau if stats.steps else None,
+                "steps": stats.steps,
+                "accepted": stats.accepted,
+                "generated_tokens": len(out),
+                "identical_to_target": same,
+            }
+        )
     check_s = time.perf_counter() - t0
     figures = summarize(rows)
     return {
@@ -305,13 +376,23 @@ def evaluate_one(args: argparse.Namespace, spec: EvalSet, convs: list, prompts: 
         "num_draft_tokens": sum(r.stats.drafted for r in rows),
         "num_accepted_tokens": sum(r.stats.accepted for r in rows),
         "settings": {
-            "temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
-            "draft_sample_method": decoder.draft_sample_method, "rejection_sample_method": decoder.rejection_sample_method,
-            "served_recipe": spec.recipe, "limit": spec.limit, "per_length_bucket": spec.per_length_bucket,
-            "max_prompt_tokens": spec.max_prompt_tokens, "budget_s": spec.budget_s,
-            "num_speculative_tokens": decoder.k, "block_size": drafter.config.block_size, "mode": drafter.config.mode,
-            "split": args.split, "dtype": args.dtype, "prefix_scheduler": decoder.step_rates is not None,
-            "lossless_check": args.lossless_check if greedy else None, "batch_size": args.batch_size,
+            "temperature": spec.temperature,
+            "max_new_tokens": spec.max_new_tokens,
+            "draft_sample_method": decoder.draft_sample_method,
+            "rejection_sample_method": decoder.rejection_sample_method,
+            "served_recipe": spec.recipe,
+            "limit": spec.limit,
+            "per_length_bucket": spec.per_length_bucket,
+            "max_prompt_tokens": spec.max_prompt_tokens,
+            "budget_s": spec.budget_s,
+            "num_speculative_tokens": decoder.k,
+            "block_size": drafter.config.block_size,
+            "mode": drafter.config.mode,
+            "split": args.split,
+            "dtype": args.dtype,
+            "prefix_scheduler": decoder.step_rates is not None,
+            "lossless_check": args.lossless_check if greedy else None,
+            "batch_size": args.batch_size,
             "verify_width": decoder.verify_width if greedy else None,
         },
         "requests": requests,
@@ -326,10 +407,20 @@ def main(argv=None) -> int:
     for spec, result in zip(specs, results):
         Path(spec.json).parent.mkdir(parents=True, exist_ok=True)
         Path(spec.json).write_text(json.dumps(result, indent=2, allow_nan=False))
-        log.info("%s (T=%s): tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "
-                 "%.1f s checking", spec.prompts, spec.temperature, fmt(result["tau"]), result["num_prompts"], result["generated_tokens"],
-                 result["lossless"], result["settings"]["lossless_check"], result["speculative_tokens_per_s"],
-                 result["seconds"]["speculative"], result["seconds"]["lossless_check"])
+        log.info(
+            "%s (T=%s): tau %s over %d prompts (%d tokens); lossless=%s (%s); speculative %.1f tok/s; %.1f s decoding, "
+            "%.1f s checking",
+            spec.prompts,
+            spec.temperature,
+            fmt(result["tau"]),
+            result["num_prompts"],
+            result["generated_tokens"],
+            result["lossless"],
+            result["settings"]["lossless_check"],
+            result["speculative_tokens_per_s"],
+            result["seconds"]["speculative"],
+            result["seconds"]["lossless_check"],
+        )
         print(format_table(result))
         if len(result["by_prompt_length"]) > 1:
             print(format_length_table(result["by_prompt_length"]))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from .chat import render_with_loss_mask
 from .prompts import Conversation
 from .samples import Sample, write_sample
-from .chat import render_with_loss_mask
 from .targets import hidden_states_for, load_target
 
 

@@ -44,8 +44,9 @@ def target_draft_ids(target_ids: torch.Tensor, t2d: torch.Tensor | None) -> torc
     return torch.where(t2d[target_ids], index[target_ids], torch.full_like(target_ids, -1))
 
 
-def target_probs_on_draft_vocab(target_logits: torch.Tensor, d2t_ids: torch.Tensor | None,
-                                log_norm: torch.Tensor | None = None):
+def target_probs_on_draft_vocab(
+    target_logits: torch.Tensor, d2t_ids: torch.Tensor | None, log_norm: torch.Tensor | None = None
+):
     """Target probabilities of the draft-vocab tokens and the mass outside the draft vocab.
 
     Normalised over the full target vocab, but only the draft columns are exponentiated. With
@@ -118,7 +119,9 @@ def drafter_loss(
 
     local = torch.stack([vf.sum(), ce_valid.float().sum()]).clamp(min=1.0)
     # A world's count is zero only where every rank's sum is zero too: any divisor but 0 will do.
-    denom = local if denominators is None else torch.where(denominators > 0, denominators.to(vf), torch.ones_like(local))
+    denom = (
+        local if denominators is None else torch.where(denominators > 0, denominators.to(vf), torch.ones_like(local))
+    )
 
     def weighted_sum(term: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return (term * pw * mask.float()).sum()

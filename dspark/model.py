@@ -76,7 +76,11 @@ def find_target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 if "layers." in key or "mtp" in key or "vision" in key:
                     continue
-                for want, suffix in (("embed", "embed_tokens.weight"), ("norm", "model.norm.weight"), ("head", "lm_head.weight")):
+                for want, suffix in (
+                    ("embed", "embed_tokens.weight"),
+                    ("norm", "model.norm.weight"),
+                    ("head", "lm_head.weight"),
+                ):
                     if key.endswith(suffix) and want not in found:
                         found[want] = f.get_tensor(key)
     if "embed" not in found or "norm" not in found:
@@ -104,7 +108,7 @@ def find_layer_tensors(target_dir: str | Path) -> dict[int, dict[str, torch.Tens
 class ContextCache:
     """Per-layer context keys/values of one sequence, grown as the target accepts tokens."""
 
-    def __init__(self, model: "DSparkDrafter") -> None:
+    def __init__(self, model: DSparkDrafter) -> None:
         self.model, self.length, self.kv = model, 0, None
 
     @torch.no_grad()
@@ -145,9 +149,7 @@ class DSparkDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.markov_head = (
-            MarkovHead(v, vd, cfg.markov_rank, h, cfg.markov_head_type) if cfg.uses_markov_head else None
-        )
+        self.markov_head = MarkovHead(v, vd, cfg.markov_rank, h, cfg.markov_head_type) if cfg.uses_markov_head else None
         self.confidence_head = None
         if cfg.enable_confidence_head:
             self.confidence_head = ConfidenceHead(h + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
@@ -183,7 +185,9 @@ class DSparkDrafter(nn.Module):
     def load_target_weights(self, target_dir: str | Path) -> None:
         t = find_target_tensors(target_dir)
         if t["embed"].shape != self.embed_tokens.weight.shape:
-            raise ValueError(f"target embedding {tuple(t['embed'].shape)} != drafter {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(
+                f"target embedding {tuple(t['embed'].shape)} != drafter {tuple(self.embed_tokens.weight.shape)}"
+            )
         self.embed_tokens.weight.copy_(t["embed"])
         self.verifier_norm.weight.copy_(t["norm"])
         self.verifier_lm_head.weight.copy_(t["head"])
@@ -223,12 +227,17 @@ class DSparkDrafter(nn.Module):
                 take(getattr(attn, name).weight, w, (f"self_attn.{name}.weight",), f"{j}.self_attn.{name}")
             for name in ("q_norm", "k_norm"):
                 if hasattr(attn, name):
-                    take(getattr(attn, name).weight, w, (f"self_attn.{name}.weight",), f"{j}.self_attn.{name}", norm=True)
+                    take(
+                        getattr(attn, name).weight, w, (f"self_attn.{name}.weight",), f"{j}.self_attn.{name}", norm=True
+                    )
             for name in ("gate_proj", "up_proj", "down_proj"):
                 take(getattr(layer.mlp, name).weight, w, (f"mlp.{name}.weight",), f"{j}.mlp.{name}")
             take(layer.input_layernorm.weight, w, ("input_layernorm.weight",), f"{j}.input_layernorm", norm=True)
-            pre_mlp = ("pre_feedforward_layernorm.weight",) if "pre_feedforward_layernorm.weight" in w \
+            pre_mlp = (
+                ("pre_feedforward_layernorm.weight",)
+                if "pre_feedforward_layernorm.weight" in w
                 else ("post_attention_layernorm.weight",)
+            )
             take(layer.post_attention_layernorm.weight, w, pre_mlp, f"{j}.post_attention_layernorm", norm=True)
         h = self.config.hidden_size
         deepest = max(range(len(self.config.aux_layer_ids)), key=lambda k: self.config.aux_layer_ids[k])
@@ -303,7 +312,7 @@ class DSparkDrafter(nn.Module):
         with torch.autocast(last_hidden.device.type, enabled=False):
             x = self.verifier_norm(last_hidden.float())
             for i, start in enumerate(starts):
-                block = self._target_head(x, w[start:start + cols])
+                block = self._target_head(x, w[start : start + cols])
                 new_max = torch.maximum(run_max, block.amax(-1))
                 run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(block - new_max[:, None]).sum(-1)
                 run_max = new_max
@@ -384,8 +393,9 @@ class DSparkDrafter(nn.Module):
             prev_emb = self.markov_head.embed(prev_ids)
             logits = logits + self.markov_head.block_bias(prev_emb, hidden).to(logits.dtype)
         conf = self.confidence_logits(hidden, prev_emb) if self.confidence_head is not None else None
-        return BlockOutputs(logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden, target_index,
-                            log_norm, positions)
+        return BlockOutputs(
+            logits, conf, target_logits, batch.input_ids[tgt_c], valid, hidden, target_index, log_norm, positions
+        )
 
     def sample_anchors(self, batch: PackedBatch, num_anchors: int, generator=None) -> torch.Tensor:
         return sample_anchors(
@@ -434,8 +444,10 @@ class DSparkDrafter(nn.Module):
         ctx_row = torch.repeat_interleave(torch.arange(n, device=dev), lengths)
         ctx_mask = ctx_row[None, :] == torch.arange(n, device=dev)[:, None]
         if any(c.kv is None for c in caches):
-            empty = self.project_context(torch.zeros(0, cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype),
-                                         torch.zeros(0, dtype=torch.long, device=dev))
+            empty = self.project_context(
+                torch.zeros(0, cfg.hidden_size, device=dev, dtype=self.fc.weight.dtype),
+                torch.zeros(0, dtype=torch.long, device=dev),
+            )
         per_layer = zip(*[c.kv if c.kv is not None else empty for c in caches])
         kv = [(torch.cat([k for k, _ in layer], 1), torch.cat([v for _, v in layer], 1)) for layer in per_layer]
         hidden = self.backbone(block_ids, pos, lengths, kv, ctx_pos, ctx_mask)  # [n, γ, H]
@@ -472,9 +484,11 @@ class DSparkDrafter(nn.Module):
         out = []
         for r, budget in enumerate(budgets):
             m = min(budget, len(drafted))
-            out.append(Proposal(
-                torch.stack([t[r] for t in drafted[:m]]) if m else torch.zeros(0, dtype=torch.long, device=dev),
-                torch.stack([p[r] for p in probs[:m]]) if probs and m else None,
-                torch.stack([c[r] for c in confs[:m]]) if confs and m else None,
-            ))
+            out.append(
+                Proposal(
+                    torch.stack([t[r] for t in drafted[:m]]) if m else torch.zeros(0, dtype=torch.long, device=dev),
+                    torch.stack([p[r] for p in probs[:m]]) if probs and m else None,
+                    torch.stack([c[r] for c in confs[:m]]) if confs and m else None,
+                )
+            )
         return out

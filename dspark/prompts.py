@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = {"system", "user", "assistant"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system", "chatgpt": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+}
 
 
 @dataclass
@@ -99,6 +106,7 @@ def read_conversations(path: str | Path) -> tuple[list[Conversation], ReadReport
         ds = load_from_disk(str(path))
         rows = enumerate(ds, start=1)
     else:
+
         def lines():
             with open(path, "rb") as f:
                 for n, raw in enumerate(f, start=1):
@@ -137,8 +145,9 @@ def is_heldout(conv_id: str, heldout_fraction: float, seed: int = 0, purpose: st
     return id_hash(conv_id, seed, purpose) < heldout_fraction
 
 
-def cap_per_category(convs: list[Conversation], max_per_category: int | None, seed: int = 0,
-                     caps: dict[str, int] | None = None) -> list[Conversation]:
+def cap_per_category(
+    convs: list[Conversation], max_per_category: int | None, seed: int = 0, caps: dict[str, int] | None = None
+) -> list[Conversation]:
     """At most `max_per_category` conversations of each category (`caps[category]` for those it
     names; None: no cap for the others), the kept ones in their order.
 
@@ -151,12 +160,17 @@ def cap_per_category(convs: list[Conversation], max_per_category: int | None, se
     for c in convs:
         by_category.setdefault(c.category, []).append(c)
     caps = caps or {}
-    kept = {c.id for category, group in by_category.items()
-            for c in sorted(group, key=lambda c: id_hash(c.id, seed, "cap"))[:caps.get(category, max_per_category)]}
+    kept = {
+        c.id
+        for category, group in by_category.items()
+        for c in sorted(group, key=lambda c: id_hash(c.id, seed, "cap"))[: caps.get(category, max_per_category)]
+    }
     return [c for c in convs if c.id in kept]
 
 
-def split(convs: list[Conversation], heldout_fraction: float, seed: int = 0) -> tuple[list[Conversation], list[Conversation]]:
+def split(
+    convs: list[Conversation], heldout_fraction: float, seed: int = 0
+) -> tuple[list[Conversation], list[Conversation]]:
     train, held = [], []
     for c in convs:
         (held if is_heldout(c.id, heldout_fraction, seed) else train).append(c)

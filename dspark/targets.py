@@ -47,7 +47,9 @@ def smollm2_gguf_path() -> Path:
 
 
 def is_prepared(out_dir: Path) -> bool:
-    return all((out_dir / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", ".dspark-target.json"))
+    return all(
+        (out_dir / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json", ".dspark-target.json")
+    )
 
 
 def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Path:
@@ -78,9 +80,21 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     return out_dir
 
 
-RANDOM_LLAMA = dict(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+RANDOM_LLAMA = dict(
+    vocab_size=49152,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 
 
 def prepare_random_llama(out_dir: str | Path | None = None, seed: int = 1234) -> Path:
@@ -113,8 +127,9 @@ def prepare_random_llama(out_dir: str | Path | None = None, seed: int = 1234) ->
     return out_dir
 
 
-def load_target(target_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                trust_remote_code: bool = False):
+def load_target(
+    target_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", trust_remote_code: bool = False
+):
     """The target and its tokenizer. `trust_remote_code` runs the modeling code shipped in the
     checkpoint directory: only when the job's config asks for it (`target.trust_remote_code`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -148,8 +163,10 @@ def capture_hidden_states(model, layer_ids: list[int]):
     captured: dict[int, torch.Tensor] = {}
     handles = []
     for i in sorted(set(layer_ids)):
+
         def hook(_mod, _inp, out, i=i):
             captured[i] = out[0] if isinstance(out, tuple) else out
+
         handles.append(layers[i - 1].register_forward_hook(hook))
     try:
         yield captured

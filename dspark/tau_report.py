@@ -45,8 +45,12 @@ def pooled(rows: list[RequestResult]) -> dict:
     total = DecodeStats()
     for r in rows:
         total.merge(r.stats)
-    return {"tau": total.tau if total.steps else None, "per_position_acceptance": total.per_position_acceptance,
-            "num_prompts": len(rows), "num_drafts": total.steps}
+    return {
+        "tau": total.tau if total.steps else None,
+        "per_position_acceptance": total.per_position_acceptance,
+        "num_prompts": len(rows),
+        "num_drafts": total.steps,
+    }
 
 
 def spread(taus: list[float]) -> dict:
@@ -55,8 +59,14 @@ def spread(taus: list[float]) -> dict:
     xs = sorted(taus)
     tenth = max(1, math.ceil(len(xs) / 10)) if xs else 0
     mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
-    return {"p10": percentile(xs, 10), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
-            "bottom10_mean": mean(xs[:tenth]), "top10_mean": mean(xs[-tenth:] if tenth else []), "num_requests": len(xs)}
+    return {
+        "p10": percentile(xs, 10),
+        "p50": percentile(xs, 50),
+        "p90": percentile(xs, 90),
+        "bottom10_mean": mean(xs[:tenth]),
+        "top10_mean": mean(xs[-tenth:] if tenth else []),
+        "num_requests": len(xs),
+    }
 
 
 def by_category(rows: list[RequestResult]) -> dict[str, dict]:
@@ -73,8 +83,14 @@ def by_prompt_length(rows: list[RequestResult], edges=DEFAULT_LENGTH_EDGES) -> l
         hi = edges[i + 1] if i + 1 < len(edges) else None
         inside = [r for r in rows if r.prompt_tokens >= lo and (hi is None or r.prompt_tokens < hi)]
         if inside:
-            out.append({"min_tokens": lo, "max_tokens": hi, **pooled(inside),
-                        "mean_prompt_tokens": sum(r.prompt_tokens for r in inside) / len(inside)})
+            out.append(
+                {
+                    "min_tokens": lo,
+                    "max_tokens": hi,
+                    **pooled(inside),
+                    "mean_prompt_tokens": sum(r.prompt_tokens for r in inside) / len(inside),
+                }
+            )
     return out
 
 
@@ -119,10 +135,14 @@ def format_table(summary: dict) -> str:
         pp = " ".join(f"{a:.2f}" for a in c["per_position_acceptance"])
         lines.append(f"{cat:<16} {c['num_prompts']:>7} {fmt(c['tau']):>6}  {pp}")
     p = summary["percentiles"]
-    lines.append(f"macro tau {fmt(summary['macro_tau'])} over {len(summary['per_category'])} categories; "
-                 f"pooled tau {fmt(summary['tau'])} over {summary['num_prompts']} requests")
-    lines.append(f"per-request tau p10 {fmt(p['p10'])}  p50 {fmt(p['p50'])}  p90 {fmt(p['p90'])}  "
-                 f"worst 10% {fmt(p['bottom10_mean'])}  best 10% {fmt(p['top10_mean'])}")
+    lines.append(
+        f"macro tau {fmt(summary['macro_tau'])} over {len(summary['per_category'])} categories; "
+        f"pooled tau {fmt(summary['tau'])} over {summary['num_prompts']} requests"
+    )
+    lines.append(
+        f"per-request tau p10 {fmt(p['p10'])}  p50 {fmt(p['p50'])}  p90 {fmt(p['p90'])}  "
+        f"worst 10% {fmt(p['bottom10_mean'])}  best 10% {fmt(p['top10_mean'])}"
+    )
     return "\n".join(lines)
 
 

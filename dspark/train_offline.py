@@ -45,8 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--markov-rank", type=int, default=256)
     p.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
     p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--init", choices=["random", "target_layers"], default="random",
-                   help="target_layers: start the draft layers from the target's last layers")
+    p.add_argument(
+        "--init",
+        choices=["random", "target_layers"],
+        default="random",
+        help="target_layers: start the draft layers from the target's last layers",
+    )
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training split")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -60,8 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heldout-fraction", type=float, default=0.05)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="exit after checkpointing at this step, as if interrupted (the schedule still spans --max-steps)")
+    p.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="exit after checkpointing at this step, as if interrupted (the schedule still spans --max-steps)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter (target logits stay fp32)")
@@ -144,7 +152,9 @@ def main(argv=None) -> int:
         if args.init == "target_layers":
             model.init_from_target_layers(args.target)
         if model.use_draft_vocab:
-            counts = token_frequencies((t for t in map(read_tokens, train_files) if t is not None), cfg.target_vocab_size)
+            counts = token_frequencies(
+                (t for t in map(read_tokens, train_files) if t is not None), cfg.target_vocab_size
+            )
             from transformers import AutoTokenizer
 
             eos = AutoTokenizer.from_pretrained(args.target).eos_token_id
@@ -155,10 +165,15 @@ def main(argv=None) -> int:
     total_tokens = sum(int(t[0].numel()) for t in map(read_tokens, train_files) if t is not None)
     steps_per_epoch = max(1, round(total_tokens / args.batch_tokens))
     total_steps = args.max_steps or max(1, int(steps_per_epoch * args.epochs))
-    optim_cfg = OptimConfig(lr=args.lr, warmup_steps=min(args.warmup_steps, total_steps // 5 + 1), total_steps=total_steps)
+    optim_cfg = OptimConfig(
+        lr=args.lr, warmup_steps=min(args.warmup_steps, total_steps // 5 + 1), total_steps=total_steps
+    )
     opt, sched = build_optimizer(model, optim_cfg)
     objective = DrafterObjective(
-        model, LossWeights(args.ce_weight, args.l1_weight, args.confidence_weight, args.decay), args.num_anchors, args.seed,
+        model,
+        LossWeights(args.ce_weight, args.l1_weight, args.confidence_weight, args.decay),
+        args.num_anchors,
+        args.seed,
         autocast_dtype=torch.bfloat16 if args.bf16 else None,
     )
     step, epoch, consumed = 0, 0, 0
@@ -172,11 +187,17 @@ def main(argv=None) -> int:
     def checkpoint(tag: str) -> None:
         base = out / "checkpoints" / tag
         save_drafter(model, base / "drafter")
-        save_state(base / "trainer", {
-            "step": step, "epoch": epoch, "consumed": consumed, "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "anchor_rng": objective.generator.get_state(),
-        })
+        save_state(
+            base / "trainer",
+            {
+                "step": step,
+                "epoch": epoch,
+                "consumed": consumed,
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "anchor_rng": objective.generator.get_state(),
+            },
+        )
 
     model.train()
     t0, tokens_seen = time.time(), 0
@@ -191,7 +212,9 @@ def main(argv=None) -> int:
                 continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], optim_cfg.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], optim_cfg.grad_clip
+            )
             opt.step()
             sched.step()
             step += 1
@@ -200,9 +223,16 @@ def main(argv=None) -> int:
             metrics_file.write(json.dumps(metrics) + "\n")
             if step % 10 == 0 or step == total_steps:
                 rate = tokens_seen / max(1e-9, time.time() - t0)
-                log.info("step %d/%d loss %.4f l1 %.3f expected_tau %.3f greedy_tau %.3f %.0f tok/s",
-                         step, total_steps, metrics["loss"], metrics["l1"], metrics.get("expected_tau", 0),
-                         metrics.get("greedy_tau", 0), rate)
+                log.info(
+                    "step %d/%d loss %.4f l1 %.3f expected_tau %.3f greedy_tau %.3f %.0f tok/s",
+                    step,
+                    total_steps,
+                    metrics["loss"],
+                    metrics["l1"],
+                    metrics.get("expected_tau", 0),
+                    metrics.get("greedy_tau", 0),
+                    rate,
+                )
             if step % args.checkpoint_every == 0 or step == args.stop_at_step:
                 checkpoint(f"step-{step:06d}")
             if step == args.stop_at_step:
@@ -217,16 +247,32 @@ def main(argv=None) -> int:
     metrics_file.close()
 
     held = [s for _, s in reader(held_files)]
-    report = calibrate_confidence(
-        model, [objective.pack(b) for b in token_budget_batches(held, args.batch_tokens)], args.num_anchors, args.seed
-    ) if held else {}
+    report = (
+        calibrate_confidence(
+            model,
+            [objective.pack(b) for b in token_budget_batches(held, args.batch_tokens)],
+            args.num_anchors,
+            args.seed,
+        )
+        if held
+        else {}
+    )
     if report:
-        log.info("confidence calibration: temperatures %s, ECE %s -> %s",
-                 [round(t, 2) for t in report["temperatures"]],
-                 [round(e, 3) for e in report["fit_ece_before"]], [round(e, 3) for e in report["fit_ece_after"]])
+        log.info(
+            "confidence calibration: temperatures %s, ECE %s -> %s",
+            [round(t, 2) for t in report["temperatures"]],
+            [round(e, 3) for e in report["fit_ece_before"]],
+            [round(e, 3) for e in report["fit_ece_after"]],
+        )
     save_drafter(model, out / "final")
-    summary = {"steps": step, "train_samples": len(train_files), "heldout_samples": len(held_files),
-               "corrupt_samples": reader.corrupt, "calibration": report, "final": str(out / "final")}
+    summary = {
+        "steps": step,
+        "train_samples": len(train_files),
+        "heldout_samples": len(held_files),
+        "corrupt_samples": reader.corrupt,
+        "calibration": report,
+        "final": str(out / "final"),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if reader.corrupt:
         log.warning("%d corrupt samples were skipped (listed in summary.json)", len(reader.corrupt))

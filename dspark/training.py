@@ -89,24 +89,33 @@ class DrafterObjective:
     steps then compute the target's logits on the draft vocabulary alone. The loss is the same.
     """
 
-    def __init__(self, model: DSparkDrafter, weights: LossWeights, num_anchors: int, seed: int = 0,
-                 autocast_dtype: torch.dtype | None = None, cache_normalizers: bool = False,
-                 max_cached_samples: int = 200_000) -> None:
+    def __init__(
+        self,
+        model: DSparkDrafter,
+        weights: LossWeights,
+        num_anchors: int,
+        seed: int = 0,
+        autocast_dtype: torch.dtype | None = None,
+        cache_normalizers: bool = False,
+        max_cached_samples: int = 200_000,
+    ) -> None:
         self.model, self.weights, self.num_anchors = model, weights, num_anchors
         self.autocast_dtype = autocast_dtype
         self.generator = torch.Generator().manual_seed(seed)
         cfg = model.config
         self.aux_ids, self.last_id = cfg.aux_layer_ids, cfg.target_num_layers
         self.normalizers: OrderedDict[str, torch.Tensor] | None = (
-            OrderedDict() if cache_normalizers and model.use_draft_vocab else None)
+            OrderedDict() if cache_normalizers and model.use_draft_vocab else None
+        )
         self.max_cached_samples = max_cached_samples
 
     def pack(self, samples: list[Sample], device=None, dtype=None, keys: list[str] | None = None) -> PackedBatch:
         """`keys`: one per sample, what identifies it across epochs (its store key)."""
         batch = pack(samples, self.aux_ids, self.last_id)
         if self.normalizers is not None and keys is not None:
-            batch.target_log_norm = torch.cat([
-                self.normalizers.get(k, torch.full((s.num_tokens,), float("nan"))) for k, s in zip(keys, samples)])
+            batch.target_log_norm = torch.cat(
+                [self.normalizers.get(k, torch.full((s.num_tokens,), float("nan"))) for k, s in zip(keys, samples)]
+            )
             batch.sample_keys = list(keys)
         return batch.to(device, dtype)
 
@@ -124,15 +133,19 @@ class DrafterObjective:
         if anchors.numel() == 0:
             return None, {}
         dev = batch.input_ids.device.type
-        with torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None), \
-                record_function("dspark.drafter_forward"):
+        with (
+            torch.autocast(dev, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None),
+            record_function("dspark.drafter_forward"),
+        ):
             out = (module or m)(batch, anchors)
         if batch.sample_keys is not None and out.target_log_norm is not None:
             self._remember(batch, out.target_positions, out.target_log_norm)
         d2t_ids = m.draft_to_target_ids() if m.use_draft_vocab else None
         denominators = share_counts(loss_counts(out, m.t2d)) if share_counts is not None else None
         with record_function("dspark.loss"):
-            return drafter_loss(out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d, denominators)
+            return drafter_loss(
+                out, m.config.block_size, m.config.slot_shift, self.weights, d2t_ids, m.t2d, denominators
+            )
 
     @torch.no_grad()
     def _remember(self, batch: PackedBatch, positions: torch.Tensor, log_norm: torch.Tensor) -> None:
@@ -179,8 +192,13 @@ def confidence_data(model: DSparkDrafter, batches: Iterable[PackedBatch], num_an
     return (torch.cat(logits), torch.cat(labels), torch.cat(valid)) if logits else None
 
 
-def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], num_anchors: int, seed: int = 0,
-                         measure_on: Iterable[PackedBatch] = ()) -> dict:
+def calibrate_confidence(
+    model: DSparkDrafter,
+    batches: Iterable[PackedBatch],
+    num_anchors: int,
+    seed: int = 0,
+    measure_on: Iterable[PackedBatch] = (),
+) -> dict:
     """Fit per-slot confidence temperatures on held-out blocks (`batches`) and store them in the
     config; with `measure_on` (other held-out blocks: the evaluation split), the calibration
     error there before and after (`ece_before`/`ece_after`; on the fitted blocks themselves:
@@ -192,9 +210,17 @@ def calibrate_confidence(model: DSparkDrafter, batches: Iterable[PackedBatch], n
         return {}
     temps, before, after = sequential_temperature_scaling(*fit)
     model.config.confidence_temperatures = temps
-    report = {"temperatures": temps, "fit_blocks": int(fit[0].shape[0]), "fit_ece_before": before, "fit_ece_after": after}
+    report = {
+        "temperatures": temps,
+        "fit_blocks": int(fit[0].shape[0]),
+        "fit_ece_before": before,
+        "fit_ece_after": after,
+    }
     measured = confidence_data(model, measure_on, num_anchors, seed)
     if measured is not None:
-        report.update(measured_blocks=int(measured[0].shape[0]), ece_before=survival_ece(*measured),
-                      ece_after=survival_ece(*measured, temperatures=temps))
+        report.update(
+            measured_blocks=int(measured[0].shape[0]),
+            ece_before=survival_ece(*measured),
+            ece_after=survival_ece(*measured, temperatures=temps),
+        )
     return report

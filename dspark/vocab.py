@@ -23,7 +23,9 @@ def token_frequencies(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], voca
     return counts
 
 
-def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int, always: Iterable[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def build_vocab_mapping(
+    counts: torch.Tensor, draft_vocab_size: int, always: Iterable[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for the `draft_vocab_size` most frequent tokens.
 
     `always` (e.g. the end-of-turn token) is kept whatever its count. Ties and the remainder,

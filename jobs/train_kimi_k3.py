@@ -65,8 +65,10 @@ def warn_short_stop_wait() -> None:
     if wait < MIN_STOP_WAIT_S:
         logging.getLogger("dspark.job").warning(
             "RAY_JOB_STOP_WAIT_TIME_S=%g: `ray job stop` would kill this job before its stop checkpoint; submit with "
-            "--runtime-env-json '{\"env_vars\": {\"RAY_JOB_STOP_WAIT_TIME_S\": \"%d\"}}' (scripts/run_local.sh does)",
-            wait, 2 * MIN_STOP_WAIT_S)
+            '--runtime-env-json \'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "%d"}}\' (scripts/run_local.sh does)',
+            wait,
+            2 * MIN_STOP_WAIT_S,
+        )
 
 
 def simulated_cluster(text: str | None) -> tuple[int, int] | None:
@@ -82,15 +84,16 @@ def simulated_cluster(text: str | None) -> tuple[int, int] | None:
 def plan(cfg, simulate: tuple[int, int] | None) -> int:
     import ray
 
-    from cluster.scaling import capacity_plan
-    from cluster.scaling import PlacementError, describe, place_all, release
+    from cluster.scaling import PlacementError, capacity_plan, describe, place_all, release
 
     cluster = None
     if simulate:
         from ray.cluster_utils import Cluster
 
         n, g = simulate
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False}
+        )
         for _ in range(n):  # started side by side (each is a raylet and its agents), then awaited together
             cluster.add_node(wait=False, num_cpus=64, num_gpus=g)
         ray.init(address=cluster.address, log_to_driver=False)
@@ -109,8 +112,11 @@ def plan(cfg, simulate: tuple[int, int] | None) -> int:
                 cluster.wait_for_nodes(timeout=SIMULATED_NODES_TIMEOUT_S)
             except TimeoutError:  # Ray's own message does not say how many, nor how long
                 joined = sum(1 for node in ray.nodes() if node["Alive"]) - 1  # less the head
-                print(f"--simulate {n}x{g}: {joined} of {n} simulated nodes joined within "
-                      f"{SIMULATED_NODES_TIMEOUT_S} s (each is a raylet started on this machine)", file=sys.stderr)
+                print(
+                    f"--simulate {n}x{g}: {joined} of {n} simulated nodes joined within "
+                    f"{SIMULATED_NODES_TIMEOUT_S} s (each is a raylet started on this machine)",
+                    file=sys.stderr,
+                )
                 return 2
         placed = place_all(cfg)
         print(describe(placed))

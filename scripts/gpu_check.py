@@ -62,11 +62,25 @@ sys.path.insert(0, str(ROOT))
 PY = sys.executable
 REPLAY_PASSED = "PASSED"  # written by connector_cuda beside the samples it checked, when they passed
 # name -> GPUs it needs (the order is the run order: trainer_* replay what connector_cuda wrote)
-CHECKS = {"dspark_serving": 1, "served_recipe": 1, "connector_cuda": 1, "connector_fp8_kv": 1, "trainer_nccl": 1,
-          "serving_gpu": 1, "replica_tp2": 2, "trainer_zero2_2r": 2}
-PROMPTS = [[{"role": "user", "content": c}] for c in (
-    "Name three colours of the rainbow.", "What is 12 times 7? Explain step by step.",
-    "Write a short poem about a lighthouse.", "Translate 'good morning, friends' into French and Spanish.")]
+CHECKS = {
+    "dspark_serving": 1,
+    "served_recipe": 1,
+    "connector_cuda": 1,
+    "connector_fp8_kv": 1,
+    "trainer_nccl": 1,
+    "serving_gpu": 1,
+    "replica_tp2": 2,
+    "trainer_zero2_2r": 2,
+}
+PROMPTS = [
+    [{"role": "user", "content": c}]
+    for c in (
+        "Name three colours of the rainbow.",
+        "What is 12 times 7? Explain step by step.",
+        "Write a short poem about a lighthouse.",
+        "Translate 'good morning, friends' into French and Spanish.",
+    )
+]
 
 
 def run(cmd: list[str], timeout_s: float, log: Path) -> subprocess.CompletedProcess:
@@ -92,15 +106,38 @@ def heldout_file(work: Path) -> Path:
 
 def check_dspark_serving(target: str, drafter: str, work: Path) -> tuple[bool, str]:
     out, log = work / "dspark_serving.json", work / "dspark_serving.log"
-    proc = run([PY, "benchmarks/serve_dspark_gpu.py", "--target", target, "--drafter", drafter, "--prompts",
-                str(heldout_file(work)), "--limit", "16", "--max-new-tokens", "64", "--dtype", "float32", "--reference",
-                "--json", str(out)], 900, log)
+    proc = run(
+        [
+            PY,
+            "benchmarks/serve_dspark_gpu.py",
+            "--target",
+            target,
+            "--drafter",
+            drafter,
+            "--prompts",
+            str(heldout_file(work)),
+            "--limit",
+            "16",
+            "--max-new-tokens",
+            "64",
+            "--dtype",
+            "float32",
+            "--reference",
+            "--json",
+            str(out),
+        ],
+        900,
+        log,
+    )
     if not out.exists():
         return False, f"exit {proc.returncode}: {tail(log)}"
     r = json.loads(out.read_text())
     tau, ref = r["dspark"]["tau"], r["reference"]["tau"]
     ok = r["lossless"] and tau is not None and abs(tau - ref) <= 0.05
-    return ok, f"lossless={r['lossless']}, vLLM tau {tau:.3f} vs reference {ref:.3f}, {r['dspark']['tokens_per_s']:.0f} tok/s"
+    return (
+        ok,
+        f"lossless={r['lossless']}, vLLM tau {tau:.3f} vs reference {ref:.3f}, {r['dspark']['tokens_per_s']:.0f} tok/s",
+    )
 
 
 def two_sample_chi_square(a: dict, b: dict, min_count: int = 10) -> tuple[float, int, float]:
@@ -123,12 +160,15 @@ def two_sample_chi_square(a: dict, b: dict, min_count: int = 10) -> tuple[float,
         ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
         stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
     df = max(len(cells) - 1, 1)
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
     return stat, df, p
 
 
-def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 3000, temperature: float = 0.8,
-                        compare_tokens: int = 3) -> tuple[bool, str]:
+def check_served_recipe(
+    target: str, drafter: str, work: Path, samples: int = 3000, temperature: float = 0.8, compare_tokens: int = 3
+) -> tuple[bool, str]:
     """The recipe serve.sh serves, through cluster/inference/served_eval.py (greedy, lossless against a
     target-only engine), then sampled: the first `compare_tokens` tokens of `samples` requests
     of one prompt from the speculative engine and from the target alone come from one
@@ -142,11 +182,20 @@ def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 30
     from dspark.recipe import speculative_config
 
     spec = speculative_config(json.loads((Path(drafter) / "config.json").read_text()), drafter)
-    if (spec["method"], spec["draft_sample_method"], spec["rejection_sample_method"]) != ("dspark", "probabilistic", "block"):
+    if (spec["method"], spec["draft_sample_method"], spec["rejection_sample_method"]) != (
+        "dspark",
+        "probabilistic",
+        "block",
+    ):
         return False, f"the recipe is not the one users are told to serve: {spec}"
     prompts = [json.loads(line) for line in heldout_file(work).read_text().splitlines()][:16]
-    engine = InferenceSettings(TargetConfig(path=target, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.4,
-                                            enforce_eager=True), [], "gpu-check/eval", device="cuda", extract=False)
+    engine = InferenceSettings(
+        TargetConfig(path=target, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.4, enforce_eager=True),
+        [],
+        "gpu-check/eval",
+        device="cuda",
+        extract=False,
+    )
     ev = ServedEvaluator(ServedEvalSettings(engine, drafter, "dspark", 64, check_lossless=True))
     greedy = ev.evaluate(prompts)
     tokenizer = ev.tokenizer
@@ -169,15 +218,22 @@ def check_served_recipe(target: str, drafter: str, work: Path, samples: int = 30
             c[key] = c.get(key, 0) + 1
         counts.append(c)
         if cfg:
-            steps = [decode_stats(o.outputs[0].spec_decode_metrics.per_step_accepted,
-                                  o.outputs[0].spec_decode_metrics.per_step_drafted) for o in outs]
+            steps = [
+                decode_stats(
+                    o.outputs[0].spec_decode_metrics.per_step_accepted,
+                    o.outputs[0].spec_decode_metrics.per_step_drafted,
+                )
+                for o in outs
+            ]
             taus.append(sum(s.accepted + s.steps for s in steps) / max(sum(s.steps for s in steps), 1))
     stat, df, p = two_sample_chi_square(*counts)
     ok = greedy["lossless"] is True and (greedy["tau"] or 0) > 1 and p >= 1e-3 and taus[0] > 1
-    return ok, (f"greedy: lossless={greedy['lossless']} over {greedy['lossless_check']['prompts']} prompts"
-                f"{'' if not differing else f' (first difference {differing[0]})'}, τ {greedy['tau'] or 0:.3f}; "
-                f"T={temperature}: τ {taus[0]:.3f}, first {compare_tokens} tokens of {samples} samples vs target alone: "
-                f"chi2 {stat:.1f}, df {df}, p {p:.3g} ({len(counts[1])} distinct)")
+    return ok, (
+        f"greedy: lossless={greedy['lossless']} over {greedy['lossless_check']['prompts']} prompts"
+        f"{'' if not differing else f' (first difference {differing[0]})'}, τ {greedy['tau'] or 0:.3f}; "
+        f"T={temperature}: τ {taus[0]:.3f}, first {compare_tokens} tokens of {samples} samples vs target alone: "
+        f"chi2 {stat:.1f}, df {df}, p {p:.3g} ({len(counts[1])} distinct)"
+    )
 
 
 def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", tp: int = 1) -> tuple[bool, str]:
@@ -200,11 +256,26 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
         import ray
 
         ray.init(address="local", num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
-    target_cfg = TargetConfig(path=target, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.4,
-                              kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp,
-                              enforce_eager=False)  # the capture under CUDA graphs
-    actor = InferenceActor(InferenceSettings(target_cfg, layer_ids, "gpu-check/g0", sampling=SamplingConfig(max_tokens=48),
-                                             backend="file", file_dir=str(files), device="cuda"))
+    target_cfg = TargetConfig(
+        path=target,
+        dtype="bfloat16",
+        max_model_len=1024,
+        gpu_memory_utilization=0.4,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=tp,
+        enforce_eager=False,
+    )  # the capture under CUDA graphs
+    actor = InferenceActor(
+        InferenceSettings(
+            target_cfg,
+            layer_ids,
+            "gpu-check/g0",
+            sampling=SamplingConfig(max_tokens=48),
+            backend="file",
+            file_dir=str(files),
+            device="cuda",
+        )
+    )
     produced = actor.process([{"id": f"p{i}", "messages": m} for i, m in enumerate(PROMPTS)])
     del actor
     errors = [r.error for r in produced if r.error]
@@ -223,11 +294,15 @@ def check_connector_cuda(target: str, work: Path, kv_cache_dtype: str = "auto", 
             return False, f"{r.prompt_id}: hidden states stored as {s.hidden_states.dtype}, not the model's bf16"
         ref = hidden_states_for(model, s.token_ids.cuda(), layer_ids).float().cpu()
         for li in range(len(layer_ids)):
-            cos = torch.nn.functional.cosine_similarity(s.hidden_states[:, li].float().flatten(), ref[:, li].flatten(), dim=0)
+            cos = torch.nn.functional.cosine_similarity(
+                s.hidden_states[:, li].float().flatten(), ref[:, li].flatten(), dim=0
+            )
             worst = min(worst, float(cos))
     bound = 0.999 if kv_cache_dtype == "auto" else 0.99
-    detail = (f"{len(produced)} conversations, {len(layer_ids)} layers, TP {tp}, KV cache {kv_cache_dtype}, "
-              f"worst cosine {worst:.5f}")
+    detail = (
+        f"{len(produced)} conversations, {len(layer_ids)} layers, TP {tp}, KV cache {kv_cache_dtype}, "
+        f"worst cosine {worst:.5f}"
+    )
     if replays and worst >= bound:  # the trainer check replays these, and only states that passed
         replay.mkdir()
         for r in produced:
@@ -244,28 +319,73 @@ def check_trainer_nccl(work: Path, ranks: int = 1) -> tuple[bool, str]:
         return False, "no replay samples from a connector_cuda check that passed in this --work directory"
     name = "gpu-check" if ranks == 1 else f"gpu-check-{ranks}r"
     log = work / f"trainer_nccl_{ranks}r.log"
-    proc = run([PY, "jobs/train_kimi_k3.py", "--config", "configs/local.yaml", f"run_name={name}", f"output_dir={work}",
-                "device=cuda", f"topology.groups.0.gpus_per_node={ranks}", f"topology.groups.0.trainer_ranks_per_node={ranks}",
-                "inference.backend=replay",
-                f"inference.replay_dir={replay}", "trainer.zero_stage=2", "trainer.precision=bf16-mixed",
-                "data.max_prompts=32", "data.epochs=1", "trainer.checkpoint_interval=4", "data.eval_limit=2",
-                "data.eval_max_new_tokens=16", "logging.wandb_mode=disabled"], 900, log)
+    proc = run(
+        [
+            PY,
+            "jobs/train_kimi_k3.py",
+            "--config",
+            "configs/local.yaml",
+            f"run_name={name}",
+            f"output_dir={work}",
+            "device=cuda",
+            f"topology.groups.0.gpus_per_node={ranks}",
+            f"topology.groups.0.trainer_ranks_per_node={ranks}",
+            "inference.backend=replay",
+            f"inference.replay_dir={replay}",
+            "trainer.zero_stage=2",
+            "trainer.precision=bf16-mixed",
+            "data.max_prompts=32",
+            "data.epochs=1",
+            "trainer.checkpoint_interval=4",
+            "data.eval_limit=2",
+            "data.eval_max_new_tokens=16",
+            "logging.wandb_mode=disabled",
+        ],
+        900,
+        log,
+    )
     result = work / name / "result.json"
     if proc.returncode != 0 or not result.exists():
         return False, f"exit {proc.returncode}: {tail(log)}"
     r = json.loads(result.read_text())
     backend = "nccl" if "nccl" in log.read_text(errors="replace").lower() else "?"
     world = sum(r.get("world", {}).values())
-    ok = (r["exactly_once"]["trained"] == 32 and r["steps"] > 0 and world == ranks
-          and (Path(r["drafter"]) / "model.safetensors").exists())
-    return ok, (f"{r['steps']} steps, {r['exactly_once']['trained']} samples exactly once, ZeRO-2, {world} rank(s), "
-                f"backend {backend}")
+    ok = (
+        r["exactly_once"]["trained"] == 32
+        and r["steps"] > 0
+        and world == ranks
+        and (Path(r["drafter"]) / "model.safetensors").exists()
+    )
+    return ok, (
+        f"{r['steps']} steps, {r['exactly_once']['trained']} samples exactly once, ZeRO-2, {world} rank(s), "
+        f"backend {backend}"
+    )
 
 
 def check_serving_gpu(target: str, drafter: str, work: Path) -> tuple[bool, str]:
     out, log = work / "serving", work / "serving_gpu.log"
-    proc = run([PY, "benchmarks/serving.py", "--target", target, "--drafter", drafter, "--device", "cuda", "--out", str(out),
-                "--concurrency", "1", "4", "16", "--max-tokens", "64"], 900, log)
+    proc = run(
+        [
+            PY,
+            "benchmarks/serving.py",
+            "--target",
+            target,
+            "--drafter",
+            drafter,
+            "--device",
+            "cuda",
+            "--out",
+            str(out),
+            "--concurrency",
+            "1",
+            "4",
+            "16",
+            "--max-tokens",
+            "64",
+        ],
+        900,
+        log,
+    )
     if proc.returncode != 0 or not (out / "serving.json").exists():
         return False, f"exit {proc.returncode}: {tail(log)}"
     r = json.loads((out / "serving.json").read_text())
@@ -294,8 +414,11 @@ def coverage_table() -> str:
 
 def plan(only: list[str], gpus: int) -> list[tuple[str, str | None]]:
     """(check, None to run it, else why it is skipped) in run order."""
-    return [(name, None if CHECKS[name] <= gpus else f"needs {CHECKS[name]} GPUs, this machine has {gpus}")
-            for name in CHECKS if name in only]
+    return [
+        (name, None if CHECKS[name] <= gpus else f"needs {CHECKS[name]} GPUs, this machine has {gpus}")
+        for name in CHECKS
+        if name in only
+    ]
 
 
 def main() -> int:
@@ -320,14 +443,16 @@ def main() -> int:
     target = str(prepare_smollm2())
     drafter = str(Path(args.drafter).resolve())
     if args.one:
-        fn = {"dspark_serving": lambda: check_dspark_serving(target, drafter, work),
-              "served_recipe": lambda: check_served_recipe(target, drafter, work),
-              "connector_cuda": lambda: check_connector_cuda(target, work),
-              "connector_fp8_kv": lambda: check_connector_cuda(target, work, "fp8"),
-              "trainer_nccl": lambda: check_trainer_nccl(work),
-              "serving_gpu": lambda: check_serving_gpu(target, drafter, work),
-              "replica_tp2": lambda: check_connector_cuda(target, work, tp=2),
-              "trainer_zero2_2r": lambda: check_trainer_nccl(work, ranks=2)}[args.one]
+        fn = {
+            "dspark_serving": lambda: check_dspark_serving(target, drafter, work),
+            "served_recipe": lambda: check_served_recipe(target, drafter, work),
+            "connector_cuda": lambda: check_connector_cuda(target, work),
+            "connector_fp8_kv": lambda: check_connector_cuda(target, work, "fp8"),
+            "trainer_nccl": lambda: check_trainer_nccl(work),
+            "serving_gpu": lambda: check_serving_gpu(target, drafter, work),
+            "replica_tp2": lambda: check_connector_cuda(target, work, tp=2),
+            "trainer_zero2_2r": lambda: check_trainer_nccl(work, ranks=2),
+        }[args.one]
         ok, detail = fn()
         print("GPU_CHECK_RESULT " + json.dumps({"ok": ok, "detail": detail}))
         return 0
@@ -339,8 +464,11 @@ def main() -> int:
         return 2
     needs_drafter = ("dspark_serving", "served_recipe", "serving_gpu")
     if any(c in args.only for c in needs_drafter) and not (Path(drafter) / "config.json").exists():
-        print(f"no drafter at {drafter}: run scripts/run_local.sh (any machine) and bring outputs/local/final, "
-              "or pass --drafter", file=sys.stderr)
+        print(
+            f"no drafter at {drafter}: run scripts/run_local.sh (any machine) and bring outputs/local/final, "
+            "or pass --drafter",
+            file=sys.stderr,
+        )
         return 2
     rows, t_all = [], time.perf_counter()
     for name, skip in plan(args.only, torch.cuda.device_count()):
@@ -352,15 +480,19 @@ def main() -> int:
         log = work / f"{name}.driver.log"
         try:
             run([PY, __file__, "--one", name, "--drafter", drafter, "--work", str(work)], 1200, log)
-            line = next((x for x in log.read_text(errors="replace").splitlines() if x.startswith("GPU_CHECK_RESULT ")), None)
+            line = next(
+                (x for x in log.read_text(errors="replace").splitlines() if x.startswith("GPU_CHECK_RESULT ")), None
+            )
             res = json.loads(line.split(" ", 1)[1]) if line else {"ok": False, "detail": tail(log, 8)}
         except subprocess.TimeoutExpired:
             res = {"ok": False, "detail": "timed out after 1200 s"}
         rows.append((name, res["ok"], time.perf_counter() - t0, res["detail"]))
         print(f"[gpu_check] {name}: {'PASS' if res['ok'] else 'FAIL'} ({rows[-1][2]:.0f} s)", flush=True)
     label = {True: "PASS", False: "FAIL", None: "SKIP"}
-    print(f"\nGPU checks on {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)} "
-          f"({time.perf_counter() - t_all:.0f} s in all)")
+    print(
+        f"\nGPU checks on {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)} "
+        f"({time.perf_counter() - t_all:.0f} s in all)"
+    )
     print(f"{'check':<17} {'result':<6} {'s':>5}  detail")
     for name, ok, secs, detail in rows:
         print(f"{name:<17} {label[ok]:<6} {secs:>5.0f}  {detail}")

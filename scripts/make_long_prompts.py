@@ -22,8 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # Document lengths in target tokens: the last stays below SmolLM2's 8192-token context with
 # room for the template and an answer of up to 512 tokens.
 LENGTHS = (1000, 2000, 4000, 7000)
-CODE = ["cluster/data/ledger.py", "cluster/job/training_job.py", "cluster/store/client.py", "dspark/model.py", "cluster/config.py",
-        "cluster/scaling/policy.py", "dspark/config.py", "cluster/training/trainer_rank.py"]
+CODE = [
+    "cluster/data/ledger.py",
+    "cluster/job/training_job.py",
+    "cluster/store/client.py",
+    "dspark/model.py",
+    "cluster/config.py",
+    "cluster/scaling/policy.py",
+    "dspark/config.py",
+    "cluster/training/trainer_rank.py",
+]
 TASKS_CODE = [
     "Explain what this module does, then list its classes and public functions with one sentence each.",
     "What are the failure cases this code handles, and what does it do in each? Answer as a list.",
@@ -53,11 +61,13 @@ def build(tokenizer) -> list[dict]:
     code = "\n\n".join(f"# file: {f}\n{(ROOT / f).read_text()}" for f in CODE)
     # The README alone is shorter than the longest rung: the commented configs follow it (no
     # text repeats, which a drafter could copy).
-    doc = "\n\n".join([(ROOT / "README.md").read_text()]
-                       + [f"# {f.name}\n{f.read_text()}" for f in sorted((ROOT / "configs").glob("*.yaml"))])
+    doc = "\n\n".join(
+        [(ROOT / "README.md").read_text()]
+        + [f"# {f.name}\n{f.read_text()}" for f in sorted((ROOT / "configs").glob("*.yaml"))]
+    )
     rows = []
     for i, n in enumerate(LENGTHS):
-        for j, (cat, source, tasks) in enumerate((("long_code", code, TASKS_CODE), ("long_doc", doc, TASKS_DOC))):
+        for _j, (cat, source, tasks) in enumerate((("long_code", code, TASKS_CODE), ("long_doc", doc, TASKS_DOC))):
             # Each rung starts at a different place in the sources, so the rungs are not prefixes of each other.
             lines = source.splitlines(keepends=True)
             start = (i * len(lines)) // (len(LENGTHS) + 1)
@@ -65,8 +75,14 @@ def build(tokenizer) -> list[dict]:
             fence = ("```python\n", "\n```") if cat == "long_code" else ("", "")
             for k in range(2 if n < LENGTHS[-1] else 3):
                 task = tasks[(i + k) % len(tasks)]
-                rows.append({"id": f"long-{n}-{cat}-{k}", "category": cat, "approx_tokens": n,
-                             "prompt": f"{fence[0]}{body}{fence[1]}\n\n{task}"})
+                rows.append(
+                    {
+                        "id": f"long-{n}-{cat}-{k}",
+                        "category": cat,
+                        "approx_tokens": n,
+                        "prompt": f"{fence[0]}{body}{fence[1]}\n\n{task}",
+                    }
+                )
     return rows
 
 

@@ -33,7 +33,10 @@ sys.path.insert(0, str(ROOT))
 SENTINEL = "\x00USER-TEXT\x00"
 KEEP_APART = ("ood.jsonl", "long_context.jsonl")
 CATEGORIES = [  # first match wins
-    ("coding", r"\b(code|function|python|javascript|java|c\+\+|sql|program|script|algorithm|bug|compile|regex|html|api)\b"),
+    (
+        "coding",
+        r"\b(code|function|python|javascript|java|c\+\+|sql|program|script|algorithm|bug|compile|regex|html|api)\b",
+    ),
     ("translation", r"\b(translate|translation|in (french|spanish|german|italian|chinese|japanese))\b"),
     ("math", r"(\d+\s*[-+*/x%^]\s*\d+|\b(calculate|equation|solve|sum of|how many|percent|probability|average)\b)"),
     ("writing", r"\b(write|poem|story|essay|letter|email|paragraph|slogan|haiku|summar\w+|rewrite)\b"),
@@ -61,7 +64,7 @@ def clean(text: str) -> str | None:
 
 def shingles(text: str, n: int = 4) -> set[tuple[str, ...]]:
     words = re.findall(r"[a-z0-9]+", text.lower())
-    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+    return {tuple(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
 
 
 def jaccard(a: set, b: set) -> float:
@@ -123,14 +126,22 @@ def main() -> None:
     for name in KEEP_APART:
         convs, _ = read_conversations(ROOT / "data" / "prompts" / name)
         apart += [m["content"] for c in convs for m in c.prompt_messages if m["role"] == "user"]
-    llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=128, seed=args.seed)
+    llm = LLM(
+        model=args.target, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=128, seed=args.seed
+    )
     tok = llm.get_tokenizer()
     prefix = tok(user_turn_prefix(tok, TOKENIZER_DEFAULT), add_special_tokens=False)["input_ids"]
     kept, why, asked = [], {}, 0
     for round_ in range(8):  # more candidates until enough survive (bounded)
         n = max(64, int((args.num - len(kept)) * 1.6))
-        params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, max_tokens=96,
-                                seed=args.seed + round_, stop_token_ids=[tok.eos_token_id])
+        params = SamplingParams(
+            n=n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=96,
+            seed=args.seed + round_,
+            stop_token_ids=[tok.eos_token_id],
+        )
         out = llm.generate([{"prompt_token_ids": prefix}], params, use_tqdm=False)[0]
         asked += n
         kept, why = select([*kept, *[o.text for o in out.outputs]], apart)

@@ -23,9 +23,13 @@ def runtime_env(job_args: list[str], environ=os.environ) -> dict:
         "env_vars": {
             "DSPARK_CACHE": cache,
             "TORCH_EXTENSIONS_DIR": environ.get("TORCH_EXTENSIONS_DIR", cache + "/torch_extensions"),
-            "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "MC_STORE_MEMCPY": "0",
-            "PYTHONUNBUFFERED": "1", "GLOG_minloglevel": "2",
+            "WANDB_MODE": "offline",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "MC_STORE_MEMCPY": "0",
+            "PYTHONUNBUFFERED": "1",
+            "GLOG_minloglevel": "2",
             # `ray job stop` kills the driver this long after its SIGTERM (Ray's default: 3 s), time
             # for the stop's checkpoint and result.json (jobs/train_kimi_k3.py)
             "RAY_JOB_STOP_WAIT_TIME_S": "120",

@@ -7,4 +7,8 @@ scripts/bootstrap.sh
 export DSPARK_CACHE=${DSPARK_CACHE:-$PWD/.cache}
 export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false  # (Ray's token authentication: tests/conftest.py)
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$DSPARK_CACHE/torch_extensions}
+# The code's form first (seconds): ruff's linter and its formatter's check, as pyproject.toml sets
+# them (`.venv/bin/ruff format .` fixes the second).
+.venv/bin/ruff check --no-cache . && .venv/bin/ruff format --no-cache --check . \
+    || { echo "[test] ruff: fix the findings above (ruff format . / ruff check --fix .)" >&2; exit 1; }
 exec .venv/bin/python -m pytest -m "not slow" "$@"

@@ -50,9 +50,19 @@ def tiny_target(smol_target, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(1234)
     cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # a peaked, repetitive target: drafters can learn it in a few steps
@@ -71,8 +81,15 @@ def ray_cluster():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("MC_STORE_MEMCPY", "0")
     tmp = Path(f"/tmp/ray-dspark-{os.getpid()}")  # Ray's socket paths must stay short
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, _temp_dir=str(tmp),
-             log_to_driver=False, ignore_reinit_error=True)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=0,
+        include_dashboard=False,
+        _temp_dir=str(tmp),
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -100,7 +117,13 @@ def replay_dir(smol_target, tmp_path_factory):
     for i in range(8):
         t = 120 + 16 * i
         mask = torch.arange(t) >= 40
-        write_sample(d / f"s{i}.safetensors", Sample(torch.randint(20, 5000, (t,), generator=g), mask,
-                                                     (0.5 * torch.randn(t, len(layer_ids), 576, generator=g)).to(torch.bfloat16),
-                                                     layer_ids))
+        write_sample(
+            d / f"s{i}.safetensors",
+            Sample(
+                torch.randint(20, 5000, (t,), generator=g),
+                mask,
+                (0.5 * torch.randn(t, len(layer_ids), 576, generator=g)).to(torch.bfloat16),
+                layer_ids,
+            ),
+        )
     return d

@@ -25,8 +25,17 @@ from pathlib import Path
 import torch
 
 VOCAB = 49152  # SmolLM2's tokenizer
-COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=6, num_attention_heads=4, max_position_embeddings=1024,
-              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 
 
@@ -43,27 +52,86 @@ class Family:
 FAMILIES = {
     f.name: f
     for f in (
-        Family("llama", "LlamaConfig", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32,
-                                            tie_word_embeddings=False)),  # Llama 3 8B/70B; SmolLM2 is the tied one
-        Family("qwen3", "Qwen3Config", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32,
-                                            tie_word_embeddings=True)),  # Qwen3 0.6B-4B
-        Family("qwen3_moe", "Qwen3MoeConfig", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32,
-                                                   num_experts=4, norm_topk_prob=True, tie_word_embeddings=False, **MOE)),
-        Family("gemma3", "Gemma3TextConfig", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32,
-                                                  query_pre_attn_scalar=32, sliding_window=64, tie_word_embeddings=True,
-                                                  layer_types=["sliding_attention"] * 5 + ["full_attention"]),
-               vllm_extracts=False, why_not="vLLM's Gemma3ForCausalLM has no aux-hidden-state interface"),
-        Family("glm4_moe", "Glm4MoeConfig", dict(intermediate_size=128, num_key_value_heads=2, head_dim=32,
-                                                 n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
-                                                 n_group=1, topk_group=1, use_qk_norm=True, partial_rotary_factor=0.5,
-                                                 tie_word_embeddings=False, **MOE),
-               vllm_extracts=False, why_not="vLLM's Glm4MoeForCausalLM has no aux-hidden-state interface"),
-        Family("deepseek_v3", "DeepseekV3Config", dict(intermediate_size=128, num_key_value_heads=4, n_routed_experts=4,
-                                                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                                       kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64,
-                                                       qk_nope_head_dim=32, v_head_dim=32, topk_method="noaux_tc",
-                                                       scoring_func="sigmoid", tie_word_embeddings=False,
-                                                       **MOE)),
+        Family(
+            "llama",
+            "LlamaConfig",
+            dict(intermediate_size=128, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+        ),  # Llama 3 8B/70B; SmolLM2 is the tied one
+        Family(
+            "qwen3",
+            "Qwen3Config",
+            dict(intermediate_size=128, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+        ),  # Qwen3 0.6B-4B
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            dict(
+                intermediate_size=128,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_experts=4,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+                **MOE,
+            ),
+        ),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            dict(
+                intermediate_size=128,
+                num_key_value_heads=2,
+                head_dim=32,
+                query_pre_attn_scalar=32,
+                sliding_window=64,
+                tie_word_embeddings=True,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            ),
+            vllm_extracts=False,
+            why_not="vLLM's Gemma3ForCausalLM has no aux-hidden-state interface",
+        ),
+        Family(
+            "glm4_moe",
+            "Glm4MoeConfig",
+            dict(
+                intermediate_size=128,
+                num_key_value_heads=2,
+                head_dim=32,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                use_qk_norm=True,
+                partial_rotary_factor=0.5,
+                tie_word_embeddings=False,
+                **MOE,
+            ),
+            vllm_extracts=False,
+            why_not="vLLM's Glm4MoeForCausalLM has no aux-hidden-state interface",
+        ),
+        Family(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            dict(
+                intermediate_size=128,
+                num_key_value_heads=4,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+                kv_lora_rank=512,
+                q_lora_rank=64,
+                qk_rope_head_dim=64,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                topk_method="noaux_tc",
+                scoring_func="sigmoid",
+                tie_word_embeddings=False,
+                **MOE,
+            ),
+        ),
     )
 }
 
@@ -94,7 +162,7 @@ def copy_tokenizer(src: Path, dest: Path) -> None:
 
 # ---- a target whose architecture ships as code in its own directory ---------------------------
 
-REMOTE_CONFIG_PY = '''import os
+REMOTE_CONFIG_PY = """import os
 from pathlib import Path
 
 from transformers import LlamaConfig
@@ -106,9 +174,9 @@ if os.environ.get("DSPARK_REMOTE_CODE_MARKER"):
 
 class TinyRemoteConfig(LlamaConfig):
     model_type = "tiny_remote"
-'''
+"""
 
-REMOTE_MODELING_PY = '''from transformers import LlamaForCausalLM, LlamaModel
+REMOTE_MODELING_PY = """from transformers import LlamaForCausalLM, LlamaModel
 
 from .configuration_tiny_remote import TinyRemoteConfig
 
@@ -119,7 +187,7 @@ class TinyRemoteModel(LlamaModel):
 
 class TinyRemoteForCausalLM(LlamaForCausalLM):
     config_class = TinyRemoteConfig
-'''
+"""
 
 
 def build_remote_code_target(out: Path, tokenizer_from: Path, seed: int = 1234) -> Path:
@@ -140,11 +208,15 @@ def build_remote_code_target(out: Path, tokenizer_from: Path, seed: int = 1234) 
         model.get_output_embeddings().weight.mul_(8.0)
     model.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
-    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
-        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-        "AutoModel": "modeling_tiny_remote.TinyRemoteModel",
-        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
-    })
+    config.update(
+        model_type="tiny_remote",
+        architectures=["TinyRemoteForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+            "AutoModel": "modeling_tiny_remote.TinyRemoteModel",
+            "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+        },
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG_PY)
     (out / "modeling_tiny_remote.py").write_text(REMOTE_MODELING_PY)

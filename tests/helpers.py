@@ -10,7 +10,6 @@ from dspark.model import DSparkDrafter
 from dspark.samples import PackedBatch
 from dspark.vocab import build_vocab_mapping
 
-
 # ChatML with an optional system line chosen by an option, as thinking switches are.
 PERSONA_TEMPLATE = (
     "{% if persona is defined and persona %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
@@ -30,8 +29,14 @@ QUICK_EVAL = ["data.long_context_prompts=null", "data.eval_temperature=0"]
 # The data and threads as the test writes them, not as the box's plan would choose them for the
 # local job's time budget (tests/integration/test_box.py judges the plan).
 FIXED_PLAN = "box_plan.enabled=false"
-REPLAY_JOB_PINS = ["data.eval_sets={}", "drafter.init=random", "trainer.torch_threads=2", NO_CALIBRATION, *QUICK_EVAL,
-                   FIXED_PLAN]
+REPLAY_JOB_PINS = [
+    "data.eval_sets={}",
+    "drafter.init=random",
+    "trainer.torch_threads=2",
+    NO_CALIBRATION,
+    *QUICK_EVAL,
+    FIXED_PLAN,
+]
 
 
 def eager_target(path, **fields) -> TargetConfig:
@@ -82,8 +87,13 @@ def reference_outputs(sm, batch, anchors, monkeypatch):
     n, g = anchors.numel(), sm.block_size
     with torch.no_grad():
         hidden, logits, targets, _, idx = sm._backbone_forward(
-            batch.aux_hidden[None], batch.input_ids[None], batch.loss_mask[None].long(), batch.last_hidden[None],
-            batch.doc_ids[None], batch.position_ids[None], max_anchors=n,
+            batch.aux_hidden[None],
+            batch.input_ids[None],
+            batch.loss_mask[None].long(),
+            batch.last_hidden[None],
+            batch.doc_ids[None],
+            batch.position_ids[None],
+            max_anchors=n,
         )
         hidden, logits = hidden.view(n, g, -1), logits.view(n, g, -1)
         conf = None
@@ -97,8 +107,16 @@ def reference_outputs(sm, batch, anchors, monkeypatch):
     return hidden, logits, targets.view(n, g, -1), conf
 
 
-def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float = 600.0, second_timeout_s: float = 900.0,
-                      sig=None, stop_wait_s: float = 120.0, between=None):
+def kill_and_resubmit(
+    cmd: list[str],
+    run_dir,
+    log_path,
+    first_timeout_s: float = 600.0,
+    second_timeout_s: float = 900.0,
+    sig=None,
+    stop_wait_s: float = 120.0,
+    between=None,
+):
     """Run the job's entry script `cmd` against the test session's Ray, send its process group
     `sig` (SIGKILL by default; SIGTERM is what `ray job stop` sends, then the first run must end
     by itself within `stop_wait_s`) once `run_dir` holds a finished checkpoint, run the same
@@ -113,7 +131,10 @@ def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float 
 
     # Not this process's wandb service (an earlier test may have started one): it would still
     # hold the killed run's id when the second run asks for it ("run ID resume is in use").
-    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"},
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
     ckpts = run_dir / "checkpoints"
     with open(log_path, "w") as log:
         first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -128,12 +149,16 @@ def kill_and_resubmit(cmd: list[str], run_dir, log_path, first_timeout_s: float 
             code = first.wait(timeout=None if sig == signal.SIGKILL else stop_wait_s)
         except subprocess.TimeoutExpired:
             os.killpg(first.pid, signal.SIGKILL)
-            raise AssertionError(f"the first run did not end within {stop_wait_s:.0f}s of {sig.name} (log: {log_path})")
+            raise AssertionError(
+                f"the first run did not end within {stop_wait_s:.0f}s of {sig.name} (log: {log_path})"
+            ) from None
         assert sig == signal.SIGKILL or code == 0, f"the stopped run exited with {code} (log: {log_path})"
     if between is not None:
         between()
     killed_at = max(int(p.name.split("-")[1]) for p in ckpts.glob("step-*") if (p / "meta.json").exists())
-    second = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=second_timeout_s)
+    second = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=second_timeout_s
+    )
     return killed_at, second
 
 

@@ -20,5 +20,7 @@ def chi_square(counts: torch.Tensor, exact: torch.Tensor, min_expected: float = 
         assert float(c[-1]) == 0.0, "counts where the exact probability is 0"
         e, c = e[:-1], c[:-1]
     stat, df = float(((c - e) ** 2 / e).sum()), e.numel() - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
     return stat, df, p

@@ -11,8 +11,28 @@ the job starts). It reads the config, the prompts (`cluster.data`) and the targe
 
 from cluster.box.apply import box_unfit, plan_box
 from cluster.box.machine_paces import probe_paces, probe_trainer
-from cluster.box.plan import (BoxPlan, Choices, EvaluationFit, Paces, Workload, choose_plan, fit_evaluation,
-                              startup_seconds)
+from cluster.box.plan import (
+    BoxPlan,
+    Choices,
+    EvaluationFit,
+    Paces,
+    Workload,
+    choose_plan,
+    fit_evaluation,
+    startup_seconds,
+)
 
-__all__ = ["BoxPlan", "Choices", "EvaluationFit", "Paces", "Workload", "box_unfit", "choose_plan", "fit_evaluation",
-           "plan_box", "probe_paces", "probe_trainer", "startup_seconds"]
+__all__ = [
+    "BoxPlan",
+    "Choices",
+    "EvaluationFit",
+    "Paces",
+    "Workload",
+    "box_unfit",
+    "choose_plan",
+    "fit_evaluation",
+    "plan_box",
+    "probe_paces",
+    "probe_trainer",
+    "startup_seconds",
+]

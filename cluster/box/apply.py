@@ -16,8 +16,8 @@ import logging
 import time
 from collections import Counter
 
-from cluster.config import JobConfig
 from cluster.box.plan import Choices, Workload, choose_plan, fit_evaluation, startup_seconds
+from cluster.config import JobConfig
 
 log = logging.getLogger("dspark.job")
 
@@ -28,8 +28,14 @@ def prompt_tokens(target, conversations, limit: int = 200) -> float:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target.path, trust_remote_code=target.trust_remote_code)
-    lengths = [len(tok(target.chat.render(tok, c.prompt_messages, add_generation_prompt=True),
-                       add_special_tokens=False).input_ids) for c in conversations[:limit]]
+    lengths = [
+        len(
+            tok(
+                target.chat.render(tok, c.prompt_messages, add_generation_prompt=True), add_special_tokens=False
+            ).input_ids
+        )
+        for c in conversations[:limit]
+    ]
     return sum(lengths) / max(len(lengths), 1)
 
 
@@ -52,17 +58,20 @@ def box_unfit(cfg: JobConfig) -> str | None:
 def probe_or_kept(cfg: JobConfig, cpu, target_dir, prompt_tokens: int, answer_tokens: int, quota_binds: bool):
     """(paces, the probe's seconds, when it probed: None for a probe now): kept ones where this
     machine was probed within `box_plan.keep_paces_s` for the same shapes, else a probe (kept)."""
-    from dspark.targets import cache_root
-
     from cluster.box.kept_paces import keep_paces, kept_paces, paces_key
     from cluster.box.machine_paces import probe_paces
+    from dspark.targets import cache_root
 
     path, key = cache_root() / "box_paces.json", paces_key(cfg, cpu, target_dir, prompt_tokens, answer_tokens)
     kept = kept_paces(path, key, cfg.box_plan.keep_paces_s, time.time())
     if kept:
         paces, _, probed_at = kept
-        log.info("box_plan: the paces probed on this machine %.0f min ago (%s; box_plan.keep_paces_s=%g): no probe",
-                 (time.time() - probed_at) / 60, path, cfg.box_plan.keep_paces_s)
+        log.info(
+            "box_plan: the paces probed on this machine %.0f min ago (%s; box_plan.keep_paces_s=%g): no probe",
+            (time.time() - probed_at) / 60,
+            path,
+            cfg.box_plan.keep_paces_s,
+        )
         return paces, 0.0, probed_at
     paces, probe_s = probe_paces(cfg, target_dir, cpu.usable_cores, prompt_tokens, answer_tokens, quota_binds)
     if cfg.box_plan.keep_paces_s:
@@ -95,18 +104,29 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     cores = cpu.usable_cores
     busy_before = busy_cores()
     quota_binds = cpu.quota is not None and cpu.quota < (cpu.affinity or cpu.cores)
-    paces, probe_s, probed_at = probe_or_kept(cfg, cpu, target_dir, round(mean_prompt), max(box.answer_tokens), quota_binds)
+    paces, probe_s, probed_at = probe_or_kept(
+        cfg, cpu, target_dir, round(mean_prompt), max(box.answer_tokens), quota_binds
+    )
     if probed_at is None and busy_before is not None and busy_before > 0.5:
         # what else runs slows the probe: measured, a probe beside the previous job's teardown
         # read half the paces and chose 12 prompts a category instead of 24
-        log.warning("%.1f of the machine's cores were busy as the box's probe began: its paces may be low, and "
-                    "the plan cautious (another job, or one's teardown, on this machine?)", busy_before)
+        log.warning(
+            "%.1f of the machine's cores were busy as the box's probe began: its paces may be low, and "
+            "the plan cautious (another job, or one's teardown, on this machine?)",
+            busy_before,
+        )
     startup = startup_seconds(box.startup_s, paces.gen(cores))
     window = cfg.trainer.time_budget_s - startup - (clock() - started)
     work = Workload(dict(per_category), mean_prompt, cfg.trainer.batch_tokens, window, cores, cfg.data.epochs)
-    plan = choose_plan(work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs))
-    before = {"data.max_prompts_per_category": cfg.data.max_prompts_per_category, "sampling.max_tokens": cfg.sampling.max_tokens,
-              "inference.cpu_threads": cfg.inference.cpu_threads, "trainer.torch_threads": cfg.trainer.torch_threads}
+    plan = choose_plan(
+        work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs)
+    )
+    before = {
+        "data.max_prompts_per_category": cfg.data.max_prompts_per_category,
+        "sampling.max_tokens": cfg.sampling.max_tokens,
+        "inference.cpu_threads": cfg.inference.cpu_threads,
+        "trainer.torch_threads": cfg.trainer.torch_threads,
+    }
     cfg.data.max_prompts_per_category = plan.prompts_per_category
     cfg.sampling.max_tokens = plan.answer_tokens
     cfg.inference.cpu_threads = plan.replica_threads
@@ -116,34 +136,80 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     if box.end_s and cfg.data.eval_limit:
         sampled, long_context = cfg.data.eval_temperature > 0, bool(cfg.data.long_context_prompts)
         fit = fit_evaluation(paces.gen(cores), box.end_s, cfg.data.eval_limit, sampled, long_context)
-        evaluation = {"eval_limit": fit.eval_limit, "sampled": fit.sampled, "long_context": fit.long_context,
-                      "expected_s": fit.expected_s}
+        evaluation = {
+            "eval_limit": fit.eval_limit,
+            "sampled": fit.sampled,
+            "long_context": fit.long_context,
+            "expected_s": fit.expected_s,
+        }
         if (fit.eval_limit, fit.sampled, fit.long_context) != (cfg.data.eval_limit, sampled, long_context):
-            left_out = [name for name, asked, kept in (("sampled", sampled, fit.sampled),
-                                                       ("long-context", long_context, fit.long_context)) if asked and not kept]
-            log.info("the end evaluation scaled to this box (box_plan.end_s=%g, expected %.0f s): %d prompts of each "
-                     "greedy set%s", box.end_s, fit.expected_s, fit.eval_limit,
-                     f", without the {' and '.join(left_out)} set{'s' if len(left_out) > 1 else ''}" if left_out else "")
-            before.update({"data.eval_limit": cfg.data.eval_limit, "data.long_context_prompts": cfg.data.long_context_prompts,
-                           "data.eval_temperature": cfg.data.eval_temperature})
+            left_out = [
+                name
+                for name, asked, kept in (
+                    ("sampled", sampled, fit.sampled),
+                    ("long-context", long_context, fit.long_context),
+                )
+                if asked and not kept
+            ]
+            log.info(
+                "the end evaluation scaled to this box (box_plan.end_s=%g, expected %.0f s): %d prompts of each "
+                "greedy set%s",
+                box.end_s,
+                fit.expected_s,
+                fit.eval_limit,
+                f", without the {' and '.join(left_out)} set{'s' if len(left_out) > 1 else ''}" if left_out else "",
+            )
+            before.update(
+                {
+                    "data.eval_limit": cfg.data.eval_limit,
+                    "data.long_context_prompts": cfg.data.long_context_prompts,
+                    "data.eval_temperature": cfg.data.eval_temperature,
+                }
+            )
             cfg.data.eval_limit = fit.eval_limit
             if not fit.long_context:
                 cfg.data.long_context_prompts = None
             if not fit.sampled:
                 cfg.data.eval_temperature = 0.0
-    log.info("the plan for this box (%s, %d usable cores%s): %d prompts per category (%d prompts), answers of up to "
-             "%d tokens, the replica on %d thread(s) and the trainer on %d while it generates, all %d after; %s",
-             cpu.model, cores, f", quota {cpu.quota:g} cores" if cpu.quota else "", plan.prompts_per_category,
-             plan.prompts, plan.answer_tokens, plan.replica_threads, plan.trainer_threads, cores, "; ".join(plan.reasons))
+    log.info(
+        "the plan for this box (%s, %d usable cores%s): %d prompts per category (%d prompts), answers of up to "
+        "%d tokens, the replica on %d thread(s) and the trainer on %d while it generates, all %d after; %s",
+        cpu.model,
+        cores,
+        f", quota {cpu.quota:g} cores" if cpu.quota else "",
+        plan.prompts_per_category,
+        plan.prompts,
+        plan.answer_tokens,
+        plan.replica_threads,
+        plan.trainer_threads,
+        cores,
+        "; ".join(plan.reasons),
+    )
     if not plan.worth_serving:
-        log.warning("this box cannot train a drafter worth serving in trainer.time_budget_s=%g: %s",
-                    cfg.trainer.time_budget_s, plan.reasons[-1])
-    return {**plan.to_dict(), "paces": {"generation_tok_s": paces.generation_tok_s, "first_step_s": paces.first_step_s,
-                                        "later_step_s": paces.later_step_s, "source": paces.source,
-                                        "probe_s": round(probe_s, 1),
-                                        "probed_at": None if probed_at is None else round(probed_at, 1),
-                                        "busy_cores_before": None if busy_before is None else round(busy_before, 2)},
-            "workload": {"prompts_per_category": dict(per_category), "prompt_tokens": round(mean_prompt, 1),
-                         "train_window_s": round(window, 1), "startup_s": round(startup, 1), "usable_cores": cores,
-                         "quota_cores": cpu.quota},
-            "evaluation": evaluation, "replaced": before}
+        log.warning(
+            "this box cannot train a drafter worth serving in trainer.time_budget_s=%g: %s",
+            cfg.trainer.time_budget_s,
+            plan.reasons[-1],
+        )
+    return {
+        **plan.to_dict(),
+        "paces": {
+            "generation_tok_s": paces.generation_tok_s,
+            "first_step_s": paces.first_step_s,
+            "later_step_s": paces.later_step_s,
+            "source": paces.source,
+            "probe_s": round(probe_s, 1),
+            "probed_at": None if probed_at is None else round(probed_at, 1),
+            "busy_cores_before": None if busy_before is None else round(busy_before, 2),
+        },
+        "workload": {
+            "prompts_per_category": dict(per_category),
+            "prompt_tokens": round(mean_prompt, 1),
+            "train_window_s": round(window, 1),
+            "startup_s": round(startup, 1),
+            "usable_cores": cores,
+            "quota_cores": cpu.quota,
+        },
+        "evaluation": evaluation,
+        "replaced": before,
+    }

@@ -33,12 +33,29 @@ PROBE_VERSION = 2
 def paces_key(cfg, cpu, target_dir, prompt_tokens: int, answer_tokens: int) -> dict:
     """What the probe's paces depend on (the key's readable form)."""
     d, t = cfg.drafter, cfg.trainer
-    return {"probe_version": PROBE_VERSION, "cpu": cpu.model, "cores": cpu.cores, "affinity": cpu.affinity,
-            "quota": cpu.quota, "target": Path(target_dir).name, "dtype": cfg.target.dtype,
-            "precision": t.precision, "batch_tokens": t.batch_tokens, "prompt_tokens": prompt_tokens,
-            "answer_tokens": answer_tokens, "replica_batch": min(cfg.inference.prompt_batch, cfg.target.max_num_seqs),
-            "drafter": [d.mode, d.num_layers, d.block_size, d.markov_rank, d.draft_vocab_size, d.num_anchors,
-                        cfg.target.num_aux_layers]}
+    return {
+        "probe_version": PROBE_VERSION,
+        "cpu": cpu.model,
+        "cores": cpu.cores,
+        "affinity": cpu.affinity,
+        "quota": cpu.quota,
+        "target": Path(target_dir).name,
+        "dtype": cfg.target.dtype,
+        "precision": t.precision,
+        "batch_tokens": t.batch_tokens,
+        "prompt_tokens": prompt_tokens,
+        "answer_tokens": answer_tokens,
+        "replica_batch": min(cfg.inference.prompt_batch, cfg.target.max_num_seqs),
+        "drafter": [
+            d.mode,
+            d.num_layers,
+            d.block_size,
+            d.markov_rank,
+            d.draft_vocab_size,
+            d.num_anchors,
+            cfg.target.num_aux_layers,
+        ],
+    }
 
 
 def _digest(key: dict) -> str:
@@ -68,8 +85,13 @@ def kept_paces(path: Path, key: dict, max_age_s: float, now: float) -> tuple[Pac
         measured_at = float(entry["measured_at"])
         if not 0 <= now - measured_at <= max_age_s:
             return None
-        paces = Paces(*({int(n): float(v) for n, v in entry[k].items()}
-                        for k in ("generation_tok_s", "first_step_s", "later_step_s")), source=entry["source"])
+        paces = Paces(
+            *(
+                {int(n): float(v) for n, v in entry[k].items()}
+                for k in ("generation_tok_s", "first_step_s", "later_step_s")
+            ),
+            source=entry["source"],
+        )
         return paces, float(entry["probe_s"]), measured_at
     except (KeyError, TypeError, ValueError) as e:
         log.warning("kept paces: the entry for this machine in %s is damaged (%r); probing anew", path, e)
@@ -80,9 +102,15 @@ def keep_paces(path: Path, key: dict, paces: Paces, probe_s: float, now: float) 
     """Keeps this probe's paces for `key` (replacing what was kept for it), written whole and then
     renamed into place: a run stopped mid-write leaves the previous file."""
     entries = _read(path)
-    entries[_digest(key)] = {"key": key, "measured_at": now, "probe_s": probe_s, "source": paces.source,
-                             "generation_tok_s": paces.generation_tok_s, "first_step_s": paces.first_step_s,
-                             "later_step_s": paces.later_step_s}
+    entries[_digest(key)] = {
+        "key": key,
+        "measured_at": now,
+        "probe_s": probe_s,
+        "source": paces.source,
+        "generation_tok_s": paces.generation_tok_s,
+        "first_step_s": paces.first_step_s,
+        "later_step_s": paces.later_step_s,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))

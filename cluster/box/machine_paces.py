@@ -53,8 +53,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def probe_trainer(cfg, target_dir, prompt_tokens: int, answer_tokens: int, threads: list[int],
-                  repeats: int = 3) -> tuple[dict[int, float], dict[int, float]]:
+def probe_trainer(
+    cfg, target_dir, prompt_tokens: int, answer_tokens: int, threads: list[int], repeats: int = 3
+) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds per step at each thread count on samples of prompt + answer tokens: in their first
     epoch (the target's full-vocabulary normaliser computed), and at the last thread count in a
     later one (the normaliser cached, as a trainer rank keeps it). The optimizer's learning rate
@@ -70,9 +71,15 @@ def probe_trainer(cfg, target_dir, prompt_tokens: int, answer_tokens: int, threa
     from dspark.training import DrafterObjective, OptimConfig, build_optimizer, token_budget_batches
 
     d, t = cfg.drafter, cfg.trainer
-    dcfg = DSparkConfig.from_target(target_dir, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
-                                    markov_rank=d.markov_rank, draft_vocab_size=d.draft_vocab_size,
-                                    num_aux_layers=cfg.target.num_aux_layers)
+    dcfg = DSparkConfig.from_target(
+        target_dir,
+        mode=d.mode,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        markov_rank=d.markov_rank,
+        draft_vocab_size=d.draft_vocab_size,
+        num_aux_layers=cfg.target.num_aux_layers,
+    )
     gen = torch.Generator().manual_seed(0)
     model = DSparkDrafter(dcfg)
     model.load_target_weights(target_dir)
@@ -83,9 +90,13 @@ def probe_trainer(cfg, target_dir, prompt_tokens: int, answer_tokens: int, threa
         t2d[: dcfg.draft_vocab_size] = True
         model.set_vocab_mapping(torch.zeros(dcfg.draft_vocab_size, dtype=torch.long), t2d)
     opt, _ = build_optimizer(model, OptimConfig(lr=t.lr, warmup_steps=1, total_steps=100))
-    objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay),
-                                 d.num_anchors, autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
-                                 cache_normalizers=True)
+    objective = DrafterObjective(
+        model,
+        LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay),
+        d.num_anchors,
+        autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
+        cache_normalizers=True,
+    )
     hidden_dtype = torch.float32 if cfg.target.dtype == "float32" else torch.bfloat16
     tokens = prompt_tokens + answer_tokens
     layer_ids = dcfg.extract_layer_ids
@@ -97,7 +108,9 @@ def probe_trainer(cfg, target_dir, prompt_tokens: int, answer_tokens: int, threa
         hidden = torch.randn(tokens, len(layer_ids), dcfg.hidden_size, generator=gen).to(hidden_dtype)
         return Sample(ids, mask, hidden, list(layer_ids))
 
-    batch = next(iter(token_budget_batches([sample() for _ in range(max(1, t.batch_tokens // tokens))], t.batch_tokens)))
+    batch = next(
+        iter(token_budget_batches([sample() for _ in range(max(1, t.batch_tokens // tokens))], t.batch_tokens))
+    )
     dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
     fresh = itertools.count()
 
@@ -133,8 +146,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def probe_generation(target_dir, dtype: str, batch: int, threads: list[int], context: int = 8,
-                     steps: int = 6) -> dict[int, float]:
+def probe_generation(
+    target_dir, dtype: str, batch: int, threads: list[int], context: int = 8, steps: int = 6
+) -> dict[int, float]:
     """Tokens/s of the target's batched decode at each thread count, scaled to vLLM's engine.
     A short context: a 135M target's decode step is its weights' matmuls at any context of a few
     hundred tokens, and the prefill of a long one cost 20 s of the probe's 30 on one thread."""
@@ -162,14 +176,16 @@ def probe_generation(target_dir, dtype: str, batch: int, threads: list[int], con
     return paces
 
 
-def probe_paces(cfg, target_dir, cores: int, prompt_tokens: int, answer_tokens: int,
-                quota_binds: bool = False) -> tuple[Paces, float]:
+def probe_paces(
+    cfg, target_dir, cores: int, prompt_tokens: int, answer_tokens: int, quota_binds: bool = False
+) -> tuple[Paces, float]:
     """The paces at every thread count the plan may choose (replica and trainer 1..cores), and
     the probe's own seconds. `quota_binds`: a CPU quota below the cores the affinity gives."""
     t0 = time.perf_counter()
     replica_threads = list(range(1, cores + 1))
-    generation = probe_generation(target_dir, cfg.target.dtype, min(cfg.inference.prompt_batch, cfg.target.max_num_seqs),
-                                  replica_threads)
+    generation = probe_generation(
+        target_dir, cfg.target.dtype, min(cfg.inference.prompt_batch, cfg.target.max_num_seqs), replica_threads
+    )
     first, later = probe_trainer(cfg, target_dir, prompt_tokens, answer_tokens, list(range(1, cores + 1)))
     scale = JOB_STEP_OVER_PROBE * (QUOTA_STEP_OVER_FREE if quota_binds else 1.0)
     first = {n: s * scale for n, s in first.items()}

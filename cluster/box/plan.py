@@ -52,6 +52,7 @@ class Paces:
     """What this machine does. `generation_tok_s[r]`: a replica's tokens/s at r threads at its
     batch; `first_step_s[t]`: a trainer rank's seconds per step at t threads on samples in their
     first epoch; `later_step_s[t]`: on samples in a later epoch; `source`: where they came from."""
+
     generation_tok_s: dict[int, float]
     first_step_s: dict[int, float]
     later_step_s: dict[int, float]
@@ -174,30 +175,50 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
     reaching = [o for o in options if o[6] >= choices.target_epochs]
     if reaching:
         cap, answer, r, prompts, generation_s, trained, epochs = max(reaching, key=lambda o: (o[1], o[3], o[6]))
-        why = (f"the longest answers, and with them the most prompts, that still train {choices.target_epochs:g} "
-               f"epochs in {work.train_window_s:.0f} s (more prompts pay only once each is seen that often)")
+        why = (
+            f"the longest answers, and with them the most prompts, that still train {choices.target_epochs:g} "
+            f"epochs in {work.train_window_s:.0f} s (more prompts pay only once each is seen that often)"
+        )
     else:
         cap, answer, r, prompts, generation_s, trained, epochs = max(options, key=lambda o: (round(o[6], 2), -o[4]))
-        why = (f"no choice trains {choices.target_epochs:g} epochs in {work.train_window_s:.0f} s: the one that trains "
-               f"the most epochs")
-    reasons = [why,
-               f"paces ({paces.source}): generation {paces.gen(r):.0f} tok/s at {r} thread(s), a trainer step "
-               f"{paces.first(max(work.cores - r, 1)):.2f} s at {max(work.cores - r, 1)} thread(s) beside it, then "
-               f"{paces.first(work.cores):.2f} s (a sample's first epoch) and {paces.later(work.cores):.2f} s (later "
-               f"ones) at {work.cores}",
-               f"expected: {prompts} prompts × answers of up to {answer} tokens generated in {generation_s:.0f} s, "
-               f"{trained:.0f} samples trained ({epochs:.1f} epochs)"]
+        why = (
+            f"no choice trains {choices.target_epochs:g} epochs in {work.train_window_s:.0f} s: the one that trains "
+            f"the most epochs"
+        )
+    reasons = [
+        why,
+        f"paces ({paces.source}): generation {paces.gen(r):.0f} tok/s at {r} thread(s), a trainer step "
+        f"{paces.first(max(work.cores - r, 1)):.2f} s at {max(work.cores - r, 1)} thread(s) beside it, then "
+        f"{paces.first(work.cores):.2f} s (a sample's first epoch) and {paces.later(work.cores):.2f} s (later "
+        f"ones) at {work.cores}",
+        f"expected: {prompts} prompts × answers of up to {answer} tokens generated in {generation_s:.0f} s, "
+        f"{trained:.0f} samples trained ({epochs:.1f} epochs)",
+    ]
     worth = epochs >= choices.min_epochs
     if not worth and generation_s >= work.train_window_s:
-        reasons.append(f"generating one answer per prompt takes {generation_s:.0f} s, more than the "
-                       f"{work.train_window_s:.0f} s the budget leaves: raise trainer.time_budget_s by more than "
-                       f"{generation_s - work.train_window_s:.0f} s")
+        reasons.append(
+            f"generating one answer per prompt takes {generation_s:.0f} s, more than the "
+            f"{work.train_window_s:.0f} s the budget leaves: raise trainer.time_budget_s by more than "
+            f"{generation_s - work.train_window_s:.0f} s"
+        )
     elif not worth:
-        reasons.append(f"less than {choices.min_epochs:g} epoch of even the smallest choice fits: raise "
-                       f"trainer.time_budget_s (about {work.train_window_s * choices.min_epochs / max(epochs, 1e-3):.0f} s "
-                       f"of training for one epoch)")
-    return BoxPlan(cap, prompts, answer, r, max(work.cores - r, 1), round(generation_s, 1), int(trained),
-                   round(epochs, 2), worth, reasons)
+        reasons.append(
+            f"less than {choices.min_epochs:g} epoch of even the smallest choice fits: raise "
+            f"trainer.time_budget_s (about {work.train_window_s * choices.min_epochs / max(epochs, 1e-3):.0f} s "
+            f"of training for one epoch)"
+        )
+    return BoxPlan(
+        cap,
+        prompts,
+        answer,
+        r,
+        max(work.cores - r, 1),
+        round(generation_s, 1),
+        int(trained),
+        round(epochs, 2),
+        worth,
+        reasons,
+    )
 
 
 # The end of the local job on a 2-core Xeon (Ice Lake, fp32), each part scaled to the pace of
@@ -205,8 +226,8 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
 # calibration, export and loads ("fixed"); the greedy held-out and OOD sets (decoding and the
 # lossless check) 38-57 s per 16 prompts each, 42 the middle of five runs; the sampled set
 # 23-28 s (25; its decoding capped by its budget), the long-context set 33-42 s (35; its
-# decoding capped, its lossless check not: 15-19 s of it), in three runs. Under a quota of 0.66 cores the greedy sets took
-# what the probe's pace says (43 per 16 at the reference pace).
+# decoding capped, its lossless check not: 15-19 s of it), in three runs. Under a quota of 0.66
+# cores the greedy sets took what the probe's pace says (43 per 16 at the reference pace).
 REFERENCE_GEN_TOK_S, REFERENCE_LIMIT = 330.0, 16
 REFERENCE_END_S = {"fixed": 15.0, "greedy": 42.0, "sampled": 25.0, "long_context": 35.0}
 
@@ -227,8 +248,15 @@ class EvaluationFit:
     expected_s: float
 
 
-def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, sampled: bool, long_context: bool,
-                   min_limit: int = 8, extras_min_limit: int = 12) -> EvaluationFit:
+def fit_evaluation(
+    gen_tok_s: float,
+    end_s: float,
+    eval_limit: int,
+    sampled: bool,
+    long_context: bool,
+    min_limit: int = 8,
+    extras_min_limit: int = 12,
+) -> EvaluationFit:
     """The end evaluation scaled to the machine: within `end_s` at a generation pace of
     `gen_tok_s` (every core), first with fewer greedy prompts down to `extras_min_limit` and the
     sampled and long-context sets kept (they are what no greedy prompt measures), then without
@@ -239,8 +267,12 @@ def fit_evaluation(gen_tok_s: float, end_s: float, eval_limit: int, sampled: boo
     r = REFERENCE_END_S
 
     def cost(limit: int, with_sampled: bool, with_long: bool) -> float:
-        return slow * (r["fixed"] + r["greedy"] * limit / REFERENCE_LIMIT + r["sampled"] * with_sampled
-                       + r["long_context"] * with_long)
+        return slow * (
+            r["fixed"]
+            + r["greedy"] * limit / REFERENCE_LIMIT
+            + r["sampled"] * with_sampled
+            + r["long_context"] * with_long
+        )
 
     def down_to(floor: int) -> range:
         return range(eval_limit, min(floor, eval_limit) - 1, -1)

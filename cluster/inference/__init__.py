@@ -12,12 +12,41 @@ served evaluation (`served_eval`). The target's up-front checks are on the groun
 from cluster.inference.capture_model import LAYER_IDS_KEY
 from cluster.inference.producer import Producer
 from cluster.inference.replay import ReplayActor, ReplaySettings
-from cluster.inference.replica import InferenceActor, InferenceSettings, engine_kwargs, executor_backend, omp_bind_per_rank
-from cluster.inference.replica_pool import (ProducerSpec, Replica, ReplicaFailure, ReplicaPool, engine_actor_options,
-                                            start_engine_actors)
+from cluster.inference.replica import (
+    InferenceActor,
+    InferenceSettings,
+    engine_kwargs,
+    executor_backend,
+    omp_bind_per_rank,
+)
+from cluster.inference.replica_pool import (
+    ProducerSpec,
+    Replica,
+    ReplicaFailure,
+    ReplicaPool,
+    engine_actor_options,
+    start_engine_actors,
+)
 from cluster.inference.served_eval import ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
 
-__all__ = ["LAYER_IDS_KEY", "InferenceActor", "InferenceSettings", "Producer", "ProducerSpec", "ReplayActor",
-           "ReplaySettings", "Replica", "ReplicaFailure", "ReplicaPool", "ServedEvalSettings", "ServedEvaluator",
-           "compare_greedy", "engine_actor_options", "engine_kwargs", "executor_backend", "first_difference",
-           "omp_bind_per_rank", "start_engine_actors"]
+__all__ = [
+    "LAYER_IDS_KEY",
+    "InferenceActor",
+    "InferenceSettings",
+    "Producer",
+    "ProducerSpec",
+    "ReplayActor",
+    "ReplaySettings",
+    "Replica",
+    "ReplicaFailure",
+    "ReplicaPool",
+    "ServedEvalSettings",
+    "ServedEvaluator",
+    "compare_greedy",
+    "engine_actor_options",
+    "engine_kwargs",
+    "executor_backend",
+    "first_difference",
+    "omp_bind_per_rank",
+    "start_engine_actors",
+]

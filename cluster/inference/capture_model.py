@@ -46,8 +46,7 @@ def native_architecture(target_path: str, trust_remote_code: bool) -> str:
     return ModelConfig(model=target_path, trust_remote_code=trust_remote_code).architecture
 
 
-def capture_engine_kwargs(target_path: str, trust_remote_code: bool, layer_ids: list[int],
-                          in_process: bool) -> dict:
+def capture_engine_kwargs(target_path: str, trust_remote_code: bool, layer_ids: list[int], in_process: bool) -> dict:
     """The engine arguments that load the capturing class: `hf_overrides` renames the
     architecture and carries the layer ids. An engine that runs in this process (CPU) gets the
     class registered here; one that starts processes of its own (GPU workers) gets
@@ -87,14 +86,16 @@ def capture_class(arch: str) -> type:
         # One cache "head" per captured layer, as extract_hidden_states lays out its buffer: the
         # connector reads [tokens, layers, hidden] rows by slot.
         self.dspark_hidden_states = CacheOnlyAttentionLayer(
-            num_heads=len(layer_ids), head_size=vllm_config.model_config.get_hidden_size(),
+            num_heads=len(layer_ids),
+            head_size=vllm_config.model_config.get_hidden_size(),
             # The hidden states are stored in the model's dtype whatever the attention layers'
             # KV cache holds: vLLM's cache-only layer refuses a quantized (fp8) cache dtype, and
             # an fp8 copy would lose what the drafter learns from.
             cache_config=dataclasses.replace(vllm_config.cache_config, cache_dtype="auto"),
             # vLLM orders KV caches by the one integer in a layer's name: after the target's own
             # layers, as extract_hidden_states numbers its cache-only layer
-            prefix=maybe_prefix(prefix, f"{CACHE_LAYER}.{vllm_config.model_config.hf_text_config.num_hidden_layers}"))
+            prefix=maybe_prefix(prefix, f"{CACHE_LAYER}.{vllm_config.model_config.hf_text_config.num_hidden_layers}"),
+        )
 
     def forward(self, *args, **kwargs):
         out = native.forward(self, *args, **kwargs)
@@ -104,14 +105,13 @@ def capture_class(arch: str) -> type:
         self.dspark_hidden_states(torch.stack(aux, dim=1))
         return hidden
 
-    return type(capture_name(arch), (native,), {"__init__": __init__, "forward": forward,
-                                                "__module__": __name__})
+    return type(capture_name(arch), (native,), {"__init__": __init__, "forward": forward, "__module__": __name__})
 
 
 def __getattr__(name: str):
     """`DSparkCapture<Arch>`, built on first use: how vLLM's registry imports a class by name."""
     if name.startswith(PREFIX):
-        cls = capture_class(name[len(PREFIX):])
+        cls = capture_class(name[len(PREFIX) :])
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.logger import init_logger
 
 from cluster.inference.capture_model import LAYER_IDS_KEY
@@ -48,7 +48,7 @@ def loss_mask_for(num_tokens: int, prompt_len: int, assistant_spans: list) -> to
     """Earlier assistant turns inside the prompt, plus every generated token."""
     mask = torch.zeros(num_tokens, dtype=torch.bool)
     for start, end in assistant_spans:
-        mask[start:min(end, num_tokens)] = True
+        mask[start : min(end, num_tokens)] = True
     mask[prompt_len:] = True
     return mask
 
@@ -91,8 +91,9 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events: dict[str, Any] = {}
         self._accumulated_finished_req_ids: set[str] = set()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._executor = ThreadPoolExecutor(max_workers=int(extra.get("num_writer_threads", 8)),
-                                            thread_name_prefix="dspark-hs-put")
+        self._executor = ThreadPoolExecutor(
+            max_workers=int(extra.get("num_writer_threads", 8)), thread_name_prefix="dspark-hs-put"
+        )
         self.backend = extra.get("backend", "mooncake")
         if self.backend not in ("mooncake", "file"):
             raise ValueError(f"unknown hidden-state backend {self.backend!r} (mooncake | file)")
@@ -104,8 +105,10 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
         self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
         if not self.layer_ids:
-            raise ValueError(f"{type(self).__name__} needs the capturing target (hf_overrides "
-                             f"{LAYER_IDS_KEY!r}, cluster.inference.capture_model.capture_engine_kwargs)")
+            raise ValueError(
+                f"{type(self).__name__} needs the capturing target (hf_overrides "
+                f"{LAYER_IDS_KEY!r}, cluster.inference.capture_model.capture_engine_kwargs)"
+            )
         self._planned: dict[str, PlannedSave] = {}
         self._keys: dict[str, str] = {}
         self._store: HiddenStateStore | None = None
@@ -136,8 +139,11 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._planned[request.request_id] = PlannedSave(request.request_id, key, token_ids, mask, list(block_ids))
         return True, {
             PARAMS_KEY: {
-                "key": key, "num_tokens": int(token_ids.numel()), "layer_ids": self.layer_ids,
-                "hidden_size": self._vllm_config.model_config.get_hidden_size(), "prompt_len": prompt_len,
+                "key": key,
+                "num_tokens": int(token_ids.numel()),
+                "layer_ids": self.layer_ids,
+                "hidden_size": self._vllm_config.model_config.get_hidden_size(),
+                "prompt_len": prompt_len,
                 # what the reader expects; the stored header says what was written (they must agree)
                 "dtype": str(self._vllm_config.model_config.dtype).removeprefix("torch."),
                 "backend": self.backend,
@@ -208,8 +214,11 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._write(save, host)
 
         future = self._executor.submit(finish)
-        future.add_done_callback(lambda f, rid=save.req_id: f.exception() and logger.error(
-            "hidden-state put failed for %s: %r", rid, f.exception()))
+        future.add_done_callback(
+            lambda f, rid=save.req_id: (
+                f.exception() and logger.error("hidden-state put failed for %s: %r", rid, f.exception())
+            )
+        )
 
     def _write(self, save: PlannedSave, hidden: torch.Tensor) -> None:
         sample = Sample(save.token_ids, save.loss_mask, hidden, self.layer_ids)

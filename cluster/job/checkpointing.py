@@ -14,7 +14,9 @@ log = logging.getLogger("dspark.job")
 
 
 class Committer:
-    def __init__(self, gang: TrainerGang, ledger: LedgerClient, record: TrainingRecord, checkpoints: CheckpointDir) -> None:
+    def __init__(
+        self, gang: TrainerGang, ledger: LedgerClient, record: TrainingRecord, checkpoints: CheckpointDir
+    ) -> None:
         self.gang, self.ledger, self.record, self.checkpoints = gang, ledger, record, checkpoints
         self.uncommitted: list = []  # lease rows trained since the last commit
 
@@ -34,8 +36,9 @@ class Committer:
         tmp, dest = self.checkpoints.paths(step)
         state = self.ledger.checkpoint_state(step)
         rows = self.record.commit(step)  # before the rename: a crash in between rolls these rows back
-        self.gang.save_checkpoint(tmp, dest, step, state,
-                                  {"step": step, "record_rows": rows, "lr_horizon": self.gang.settings.total_steps})
+        self.gang.save_checkpoint(
+            tmp, dest, step, state, {"step": step, "record_rows": rows, "lr_horizon": self.gang.settings.total_steps}
+        )
         keys = self.ledger.commit(step)
         # with what was trained, the objects of attempts given up on (a replica that died mid-put)
         self.gang.remove_keys(keys, self.ledger.abandoned_keys())

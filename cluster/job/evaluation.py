@@ -47,14 +47,25 @@ def evaluation_plan(cfg: JobConfig, run_dir: Path) -> dict[str, dict]:
         # the first of the evaluated prompts (round-robin over categories, as the greedy run takes them)
         limits = [x for x in (data.eval_sampled_limit, data.eval_limit) if x]
         limit = min(limits) if limits else None
-        plan["sampled"] = {**plan["heldout"], "json": str(run_dir / "eval-sampled.json"), "temperature": data.eval_temperature,
-                           "limit": limit, "recipe": True, "budget_s": data.eval_sampled_budget_s}
+        plan["sampled"] = {
+            **plan["heldout"],
+            "json": str(run_dir / "eval-sampled.json"),
+            "temperature": data.eval_temperature,
+            "limit": limit,
+            "recipe": True,
+            "budget_s": data.eval_sampled_budget_s,
+        }
     if data.long_context_prompts:
-        plan["long_context"] = {"prompts": str(repo_path(data.long_context_prompts)),
-                                "json": str(run_dir / "eval-long_context.json"), "temperature": 0.0, "limit": None,
-                                "max_new_tokens": data.long_context_max_new_tokens,
-                                "per_length_bucket": data.long_context_per_bucket,
-                                "max_prompt_tokens": data.long_context_max_tokens, "budget_s": data.long_context_budget_s}
+        plan["long_context"] = {
+            "prompts": str(repo_path(data.long_context_prompts)),
+            "json": str(run_dir / "eval-long_context.json"),
+            "temperature": 0.0,
+            "limit": None,
+            "max_new_tokens": data.long_context_max_new_tokens,
+            "per_length_bucket": data.long_context_per_bucket,
+            "max_prompt_tokens": data.long_context_max_tokens,
+            "budget_s": data.long_context_budget_s,
+        }
     return plan
 
 
@@ -79,26 +90,42 @@ class Evaluator:
         plan = evaluation_plan(cfg, self.run_dir)
         skipped = {}
         if backend == "vllm":
-            for name in [n for n in ("sampled", "long_context") if n in plan and not (n == "sampled" and cfg.device == "cuda")]:
+            for name in [
+                n for n in ("sampled", "long_context") if n in plan and not (n == "sampled" and cfg.device == "cuda")
+            ]:
                 del plan[name]
-                skipped[name] = ("vLLM's CPU build is unreliable at temperature > 0 (ENVIRONMENT.md)" if name == "sampled" else
-                                 "the served evaluation runs within the replicas' target.max_model_len; judge long contexts "
-                                 "with dspark.evaluate --plan")
-            for name, spec in plan.items():
+                skipped[name] = (
+                    "vLLM's CPU build is unreliable at temperature > 0 (ENVIRONMENT.md)"
+                    if name == "sampled"
+                    else "the served evaluation runs within the replicas' target.max_model_len; judge long contexts "
+                    "with dspark.evaluate --plan"
+                )
+            for _name, spec in plan.items():
                 result = self.evaluate_served(drafter, Path(spec["prompts"]), spec["limit"], spec["temperature"])
                 Path(spec["json"]).write_text(json.dumps(result, indent=2))
         else:
             # Every usable core: Ray starts a job's driver with OMP_NUM_THREADS=1, which this
             # subprocess would inherit (one thread made the local job's evaluation ~1.8x slower), and
             # the producers and the trainer are done. Usable, not present: under a CPU quota or an
-            # affinity mask, more threads than that spin against each other. On CPU it runs the target as a replica does,
-            # with its environment (the local job's evaluation took 65 s instead of 74 s with the
-            # preloaded libraries on a 2-core AMD EPYC).
+            # affinity mask, more threads than that spin against each other. On CPU it runs the target
+            # as a replica does, with its environment (the local job's evaluation took 65 s instead of
+            # 74 s with the preloaded libraries on a 2-core AMD EPYC).
             env = {**os.environ, **(cpu_engine_env(cfg) or {})}
             plan_file = self.run_dir / "eval_plan.json"
             plan_file.write_text(json.dumps(list(plan.values()), indent=2))
-            cmd = [sys.executable, "-m", "dspark.evaluate", "--target", self.inputs.target.path, "--drafter", drafter,
-                   "--plan", str(plan_file), "--threads", str(read_cpu().usable_cores)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dspark.evaluate",
+                "--target",
+                self.inputs.target.path,
+                "--drafter",
+                drafter,
+                "--plan",
+                str(plan_file),
+                "--threads",
+                str(read_cpu().usable_cores),
+            ]
             if cfg.target.trust_remote_code:  # the config's consent; the drafter's config.json gives none
                 cmd.append("--trust-remote-code")
             self.run_stoppable(cmd, env, cfg.data.eval_timeout_s * len(plan))
@@ -106,16 +133,25 @@ class Evaluator:
         for name, spec in plan.items():
             results[name] = json.loads(Path(spec["json"]).read_text())
             results[name].pop("requests", None)
-        return Evaluation(heldout=results.pop("heldout"), sampled=results.pop("sampled", None),
-                          long_context=results.pop("long_context", None), sets=results, skipped=skipped)
+        return Evaluation(
+            heldout=results.pop("heldout"),
+            sampled=results.pop("sampled", None),
+            long_context=results.pop("long_context", None),
+            sets=results,
+            skipped=skipped,
+        )
 
     def run_stoppable(self, cmd: list[str], env: dict, timeout_s: float) -> None:
         """The evaluation subprocess, within `timeout_s`; ended (and JobStopped raised) as soon as a
         stop is sent, so `ray job stop` during the end is answered in seconds, not minutes."""
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
         try:
-            wait_until(lambda: self.stop_check("the end (evaluation)") or proc.poll() is not None,
-                       timeout_s=timeout_s, interval_s=1.0, what=f"the evaluation ({' '.join(cmd[:3])} ...)")
+            wait_until(
+                lambda: self.stop_check("the end (evaluation)") or proc.poll() is not None,
+                timeout_s=timeout_s,
+                interval_s=1.0,
+                what=f"the evaluation ({' '.join(cmd[:3])} ...)",
+            )
             if proc.returncode:
                 raise subprocess.CalledProcessError(proc.returncode, cmd)
         finally:
@@ -144,17 +180,24 @@ class Evaluator:
             drafter = str(export_dflash_backbone(load_drafter(drafter, target_path), self.run_dir / "final-dflash"))
         held = stratified(read_conversations(prompts_file)[0], lambda c: c.category, limit)
         prompts = [c.prompt_record() for c in held]
-        settings = ServedEvalSettings(inference_settings(cfg, self.inputs, "eval"), drafter, method,
-                                      cfg.data.eval_max_new_tokens, temperature)
+        settings = ServedEvalSettings(
+            inference_settings(cfg, self.inputs, "eval"), drafter, method, cfg.data.eval_max_new_tokens, temperature
+        )
         placed = next(p for p in self.placed if p.spec.role == "inference")
-        actor = ray.remote(ServedEvaluator).options(
-            name=f"{cfg.run_name}-eval", **engine_actor_options(placed, settings.engine.target.tensor_parallel_size,
-                                                               cpu_engine_env(cfg)),
-        ).remote(settings)
+        actor = (
+            ray.remote(ServedEvaluator)
+            .options(
+                name=f"{cfg.run_name}-eval",
+                **engine_actor_options(placed, settings.engine.target.tensor_parallel_size, cpu_engine_env(cfg)),
+            )
+            .remote(settings)
+        )
         try:
             return ray.get(actor.evaluate.remote(prompts), timeout=cfg.data.eval_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"the served evaluation ({method}, {len(prompts)} prompts) did not finish within "
-                               f"data.eval_timeout_s={cfg.data.eval_timeout_s}") from None
+            raise TimeoutError(
+                f"the served evaluation ({method}, {len(prompts)} prompts) did not finish within "
+                f"data.eval_timeout_s={cfg.data.eval_timeout_s}"
+            ) from None
         finally:
             ray.kill(actor)

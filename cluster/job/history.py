@@ -26,8 +26,16 @@ class RunHistory:
         self._append({"kind": "step", "step": step, "t": self.clock() - self.started, **scalars})
 
     def progress(self, step: int, tokens_per_s: dict[str, float], data_wait_s: float, train_s: float) -> None:
-        self._append({"kind": "progress", "step": step, "t": self.clock() - self.started, "tokens_per_s": tokens_per_s,
-                      "data_wait_s": data_wait_s, "train_s": train_s})
+        self._append(
+            {
+                "kind": "progress",
+                "step": step,
+                "t": self.clock() - self.started,
+                "tokens_per_s": tokens_per_s,
+                "data_wait_s": data_wait_s,
+                "train_s": train_s,
+            }
+        )
 
 
 def read_history(path: Path) -> list[dict]:

@@ -38,11 +38,14 @@ def read_inputs(cfg: JobConfig, conversations: list | None) -> JobInputs:
     aux = list(cfg.target.aux_layer_ids or default_aux_layer_ids(tcfg.num_hidden_layers, cfg.target.num_aux_layers))
     layer_ids = [*aux, tcfg.num_hidden_layers]
     max_sample_bytes = cfg.target.max_model_len * (
-        len(layer_ids) * tcfg.hidden_size * (4 if cfg.target.dtype == "float32" else 2) + 5)
+        len(layer_ids) * tcfg.hidden_size * (4 if cfg.target.dtype == "float32" else 2) + 5
+    )
     train, heldout = load_prompts(cfg, conversations)
     check_eval_sets(cfg, train)
     head = cfg.drafter.enable_confidence_head and cfg.drafter.mode == "dspark"
-    calibration, evaluated = calibration_split(heldout, cfg.data.eval_limit, cfg.data.calibration_prompts if head else 0)
+    calibration, evaluated = calibration_split(
+        heldout, cfg.data.eval_limit, cfg.data.calibration_prompts if head else 0
+    )
     return JobInputs(target, aux, layer_ids, max_sample_bytes, train, heldout, calibration, evaluated)
 
 

@@ -27,14 +27,28 @@ log = logging.getLogger("dspark.job")
 
 
 class TrainingLoop:
-    def __init__(self, trainer: TrainerConfig, cpu: bool, ledger: LedgerClient, gang: TrainerGang, world: TrainerWorld,
-                 committer: Committer, record: TrainingRecord, supervisor: Supervisor, reporter: ProgressReporter,
-                 planner: EpochPlanner, stats: TrainingStats, control: ControlChannel, events: EventLog) -> None:
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        cpu: bool,
+        ledger: LedgerClient,
+        gang: TrainerGang,
+        world: TrainerWorld,
+        committer: Committer,
+        record: TrainingRecord,
+        supervisor: Supervisor,
+        reporter: ProgressReporter,
+        planner: EpochPlanner,
+        stats: TrainingStats,
+        control: ControlChannel,
+        events: EventLog,
+    ) -> None:
         self.t, self.cpu, self.ledger, self.gang, self.world = trainer, cpu, ledger, gang, world
         self.committer, self.record, self.supervisor, self.reporter = committer, record, supervisor, reporter
         self.planner, self.stats, self.control, self.events = planner, stats, control, events
         self.nonfinite_streak = 0
-        self.horizon_epochs: int | None = None  # the epochs the LR horizon was last measured for (cluster.training.budget)
+        # the epochs the LR horizon was last measured for (cluster.training.budget)
+        self.horizon_epochs: int | None = None
         self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
         self.waiting_since: float | None = None  # the first of the current run of steps without data
 
@@ -82,8 +96,10 @@ class TrainingLoop:
         bad = gang.fetch(s.step + 1, lease)
         if bad:  # gone from the store (a daemon or the master died) or unusable: regenerate them
             ledger.release_lease(s.step + 1, bad)
-            self.events.add(f"step {s.step + 1}: {len(bad)} samples could not be read, e.g. "
-                            f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating")
+            self.events.add(
+                f"step {s.step + 1}: {len(bad)} samples could not be read, e.g. "
+                f"{next(iter(bad))}: {next(iter(bad.values()))}; regenerating"
+            )
             return "waited"
         s.data_wait_s += time.perf_counter() - t0
         generating = ledger.to_generate() > 0
@@ -124,12 +140,20 @@ class TrainingLoop:
             return
         if plan.drop:
             self.gang.remove_keys(self.ledger.shorten(plan.epochs))
-            self.events.add(f"step {self.stats.step}: {plan.epochs} of {len(remaining)} epochs fit in trainer.time_budget_s="
-                            f"{self.t.time_budget_s:g} at {plan.samples_per_s:.2f} samples/s; the others are dropped")
+            self.events.add(
+                f"step {self.stats.step}: {plan.epochs} of {len(remaining)} epochs fit in trainer.time_budget_s="
+                f"{self.t.time_budget_s:g} at {plan.samples_per_s:.2f} samples/s; the others are dropped"
+            )
         if plan.horizon_epochs != self.horizon_epochs:
             horizon, was = min(plan.horizon, self.t.max_steps or plan.horizon), self.gang.settings.total_steps
-            log.info("LR schedule: ends at step %d (was %d): %d of %d epochs fit at %.2f samples/s", horizon, was,
-                     plan.horizon_epochs, len(remaining), plan.samples_per_s)
+            log.info(
+                "LR schedule: ends at step %d (was %d): %d of %d epochs fit at %.2f samples/s",
+                horizon,
+                was,
+                plan.horizon_epochs,
+                len(remaining),
+                plan.samples_per_s,
+            )
             if horizon != was:
                 self.gang.set_lr_horizon(horizon)  # (first: if the world fails here, the next plan sets it again)
             self.horizon_epochs = plan.horizon_epochs
@@ -144,9 +168,11 @@ class TrainingLoop:
         self.stats.skipped_steps += 1
         self.events.add(f"step {step}: non-finite loss on ranks {ranks}; update skipped on every rank", logging.WARNING)
         if self.nonfinite_streak >= self.t.max_nonfinite_steps:
-            raise RuntimeError(f"{self.nonfinite_streak} consecutive steps had a non-finite loss (the last at step {step}, "
-                               f"ranks {ranks}): the drafter diverged; lower trainer.lr or check the data "
-                               f"(trainer.max_nonfinite_steps={self.t.max_nonfinite_steps})")
+            raise RuntimeError(
+                f"{self.nonfinite_streak} consecutive steps had a non-finite loss (the last at step {step}, "
+                f"ranks {ranks}): the drafter diverged; lower trainer.lr or check the data "
+                f"(trainer.max_nonfinite_steps={self.t.max_nonfinite_steps})"
+            )
 
     def release_before(self, step: int) -> None:
         """`trainer.release_samples=after_step`: the previous step's samples leave the store and
@@ -197,10 +223,17 @@ def check_data_deadline(idle_s: float, timeout_s: float, counts) -> None:
     """Past `trainer.data_timeout_s` without anything to train: stop, saying where the samples are."""
     if idle_s <= timeout_s:
         return
-    groups = ", ".join(f"{name}: {g.generating} generating, {g.stored} stored{' (paused)' if g.paused else ''}"
-                       for name, g in sorted(counts.groups.items())) or "no group has asked for prompts"
-    raise RuntimeError(f"nothing to train for {idle_s:.0f}s (trainer.data_timeout_s={timeout_s:g}): "
-                       f"{counts.pending} pending, {counts.generating} generating, {counts.stored} stored, "
-                       f"{counts.leased} leased, {counts.failed} failed of {counts.total} (generating epoch index "
-                       f"{counts.epoch} of {counts.epochs}); by group: {groups}. Look at the replicas' "
-                       f"logs (the Ray dashboard) for why nothing is stored")
+    groups = (
+        ", ".join(
+            f"{name}: {g.generating} generating, {g.stored} stored{' (paused)' if g.paused else ''}"
+            for name, g in sorted(counts.groups.items())
+        )
+        or "no group has asked for prompts"
+    )
+    raise RuntimeError(
+        f"nothing to train for {idle_s:.0f}s (trainer.data_timeout_s={timeout_s:g}): "
+        f"{counts.pending} pending, {counts.generating} generating, {counts.stored} stored, "
+        f"{counts.leased} leased, {counts.failed} failed of {counts.total} (generating epoch index "
+        f"{counts.epoch} of {counts.epochs}); by group: {groups}. Look at the replicas' "
+        f"logs (the Ray dashboard) for why nothing is stored"
+    )

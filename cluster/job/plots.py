@@ -59,18 +59,24 @@ def plot_data(rows: list[dict], evaluations: dict[str, dict]) -> dict[str, dict]
         "acceptance": {
             "acceptance per draft position": {
                 "training: c* per slot, last steps": positions(trained),
-                **{f"eval {name}": positions(e.get("per_position_acceptance") or []) for name, e in evaluations.items()},
+                **{
+                    f"eval {name}": positions(e.get("per_position_acceptance") or []) for name, e in evaluations.items()
+                },
             },
         },
-        "tau_per_category": {
-            f"tau per category: {name}": {"tau": category_taus(e)} for name, e in evaluations.items()
-        },
+        "tau_per_category": {f"tau per category: {name}": {"tau": category_taus(e)} for name, e in evaluations.items()},
         "generation": {
             "generation tok/s by wall clock (s)": {
-                g: ([r["t"] for r in progress if g in r["tokens_per_s"]],
-                    [r["tokens_per_s"][g] for r in progress if g in r["tokens_per_s"]]) for g in groups},
-            "trainer data wait (s) by wall clock (s)": {"data wait": _series(rows, "progress", "t", "data_wait_s"),
-                                                        "training": _series(rows, "progress", "t", "train_s")},
+                g: (
+                    [r["t"] for r in progress if g in r["tokens_per_s"]],
+                    [r["tokens_per_s"][g] for r in progress if g in r["tokens_per_s"]],
+                )
+                for g in groups
+            },
+            "trainer data wait (s) by wall clock (s)": {
+                "data wait": _series(rows, "progress", "t", "data_wait_s"),
+                "training": _series(rows, "progress", "t", "train_s"),
+            },
         },
     }
 

@@ -53,8 +53,16 @@ def eta(stats: TrainingStats, counts: LedgerCounts, gen_rate: float) -> float:
 
 
 class ProgressReporter:
-    def __init__(self, metrics: Metrics, ledger, pools: dict, stats: TrainingStats, services, wandb_run=None,
-                 history: RunHistory | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        ledger,
+        pools: dict,
+        stats: TrainingStats,
+        services,
+        wandb_run=None,
+        history: RunHistory | None = None,
+    ) -> None:
         import ray
 
         self.ray, self.metrics, self.ledger, self.pools, self.stats = ray, metrics, ledger, pools, stats
@@ -116,15 +124,19 @@ class ProgressReporter:
                 f"[progress]   {name}: in {rate:.0f} tok/s (replicas {len(pool)}) | generated {g.produced_samples} "
                 f"| queue {g.stored} samples {g.queued_bytes / 2**20:.0f} MiB"
                 f"{' (paused)' if g.paused else ''} | trained {g.trained_samples}, "
-                f"{g.crossed_samples} of them by another group's ranks")
+                f"{g.crossed_samples} of them by another group's ranks"
+            )
         if self.history is not None:
             self.history.progress(s.step, rates, s.data_wait_s, s.train_s)
         left = eta(s, c, gen_total)
         failed = f", {c.failed} failed" if c.failed else ""
         skipped = f", {s.skipped_steps} skipped (non-finite)" if s.skipped_steps else ""
-        head = (f"[progress] step {s.step} ({s.ranks} ranks{skipped}) | trained {c.trained}+{c.leased} leased{failed} / {c.total} "
-                f"| loss {nan_if_none(m and m.loss):.3f} tau~{nan_if_none(m and m.expected_tau):.2f} "
-                f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min")
+        head = (
+            f"[progress] step {s.step} ({s.ranks} ranks{skipped}) "
+            f"| trained {c.trained}+{c.leased} leased{failed} / {c.total} "
+            f"| loss {nan_if_none(m and m.loss):.3f} tau~{nan_if_none(m and m.expected_tau):.2f} "
+            f"| {s.train_s / max(s.step, 1):.1f}s/step, data wait {s.data_wait_s:.0f}s | ETA {left / 60:.1f} min"
+        )
         return "\n".join([head, *lines])
 
     def loop(self, stop: threading.Event, interval_s: float) -> None:

@@ -23,21 +23,29 @@ class Quality:
     advice: list[str] = field(default_factory=list)  # the settings to change, one line each
 
 
-def assess(trained_samples: int, train_prompts: int, heldout_tau: float | None, ended_by: str,
-           time_budget_s: float | None) -> Quality:
+def assess(
+    trained_samples: int, train_prompts: int, heldout_tau: float | None, ended_by: str, time_budget_s: float | None
+) -> Quality:
     epochs = trained_samples / max(train_prompts, 1)
     reasons, advice = [], []
     if epochs < 1:
-        reasons.append(f"it trained {trained_samples} samples, {epochs:.0%} of one epoch of its {train_prompts} prompts"
-                       + (f" (ended by {ended_by})" if ended_by != "data" else ""))
+        reasons.append(
+            f"it trained {trained_samples} samples, {epochs:.0%} of one epoch of its {train_prompts} prompts"
+            + (f" (ended by {ended_by})" if ended_by != "data" else "")
+        )
         if ended_by == "time_budget" and time_budget_s:
-            advice.append(f"raise trainer.time_budget_s (was {time_budget_s:g}) to about "
-                          f"{time_budget_s / max(epochs, 0.01):.0f} for one epoch")
-        advice.append(f"or train on fewer prompts (data.max_prompts, now {train_prompts} kept) or shorter answers "
-                      f"(sampling.max_tokens)")
+            advice.append(
+                f"raise trainer.time_budget_s (was {time_budget_s:g}) to about "
+                f"{time_budget_s / max(epochs, 0.01):.0f} for one epoch"
+            )
+        advice.append(
+            f"or train on fewer prompts (data.max_prompts, now {train_prompts} kept) or shorter answers "
+            f"(sampling.max_tokens)"
+        )
     if heldout_tau is not None and heldout_tau < TAU_FLOOR:
-        reasons.append(f"held-out τ {heldout_tau:.3f} is below {TAU_FLOOR} (too few draft tokens accepted to pay for "
-                       f"drafting)")
+        reasons.append(
+            f"held-out τ {heldout_tau:.3f} is below {TAU_FLOOR} (too few draft tokens accepted to pay for drafting)"
+        )
         if epochs >= 1:
             advice.append("train longer (trainer.time_budget_s, data.epochs) or on prompts closer to what is served")
     return Quality(not reasons, epochs, reasons, advice)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.config import ConfigError, JobConfig
@@ -31,7 +31,9 @@ log = logging.getLogger("dspark.job")
 VOCAB_SAMPLES = 64  # stored answers the draft vocabulary is counted on, at a fresh start
 
 
-def check_resume_plan(cfg: JobConfig, checkpoints: CheckpointDir, train_ids: set[str], heldout_ids: set[str]) -> Path | None:
+def check_resume_plan(
+    cfg: JobConfig, checkpoints: CheckpointDir, train_ids: set[str], heldout_ids: set[str]
+) -> Path | None:
     """The checkpoint a resume would start from (None: a fresh start). Refuses, before any actor
     starts, a resume whose checkpoint trained samples this config no longer plans: changed prompt
     files, `data.max_prompts(_per_category)`, held-out split or fewer epochs. The ledger would
@@ -53,11 +55,19 @@ def check_resume_plan(cfg: JobConfig, checkpoints: CheckpointDir, train_ids: set
         + (f"; {len(heldout)} of their prompts are now held out for evaluation" if heldout else "")
         + ": the prompt files, data.max_prompts, data.max_prompts_per_category, data.heldout_fraction, "
         "data.split_seed or data.epochs differ from the run that wrote it. Restore them to resume, or start "
-        "afresh with trainer.resume=never (earlier checkpoints are moved aside).")
+        "afresh with trainer.resume=never (earlier checkpoints are moved aside)."
+    )
 
 
-def restore_data_state(resume: Path | None, checkpoints: CheckpointDir, ledger: LedgerClient, record: TrainingRecord,
-                       gang: TrainerGang, master_generation: int, events: EventLog) -> Path | None:
+def restore_data_state(
+    resume: Path | None,
+    checkpoints: CheckpointDir,
+    ledger: LedgerClient,
+    record: TrainingRecord,
+    gang: TrainerGang,
+    master_generation: int,
+    events: EventLog,
+) -> Path | None:
     """The checkpoint to resume from (`check_resume_plan`'s), with the ledger and the training
     record already set back to it (samples it did not commit leave the store); or a fresh start
     (earlier checkpoints of this run name moved aside, no record)."""
@@ -79,10 +89,22 @@ class TrainerWorld:
     `trainer.max_restarts` within any `trainer.restart_window_s`), `resize`. `resume_from` is
     the checkpoint the next `begin` loads."""
 
-    def __init__(self, cfg: JobConfig, gang: TrainerGang, services: StoreServices, ledger: LedgerClient,
-                 record: TrainingRecord, checkpoints: CheckpointDir, committer: Committer, supervisor: Supervisor,
-                 events: EventLog, vocab_texts: list[str], train_prompts: int, resume_from: Path | None,
-                 stop_check: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        gang: TrainerGang,
+        services: StoreServices,
+        ledger: LedgerClient,
+        record: TrainingRecord,
+        checkpoints: CheckpointDir,
+        committer: Committer,
+        supervisor: Supervisor,
+        events: EventLog,
+        vocab_texts: list[str],
+        train_prompts: int,
+        resume_from: Path | None,
+        stop_check: Callable[[str], None],
+    ) -> None:
         """`stop_check(phase)`: raises JobStopped once a stop was sent (the first answers' wait
         and a restart's retries check it)."""
         self.cfg, self.gang, self.services, self.ledger, self.record = cfg, gang, services, ledger, record
@@ -129,9 +151,11 @@ class TrainerWorld:
         while True:
             self.stop_check("a trainer restart")
             if not self.restarts.spend():
-                raise RuntimeError(f"the trainer world failed {self.restarts.recent() + 1} times within "
-                                   f"{self.restarts.window_s:g} s (trainer.max_restarts={self.restarts.limit} per "
-                                   f"trainer.restart_window_s); last: {cause}")
+                raise RuntimeError(
+                    f"the trainer world failed {self.restarts.recent() + 1} times within "
+                    f"{self.restarts.window_s:g} s (trainer.max_restarts={self.restarts.limit} per "
+                    f"trainer.restart_window_s); last: {cause}"
+                )
             self.stop()
             try:
                 self.services.check(force=True)  # a dead store daemon (what may have killed the ranks) first
@@ -141,8 +165,11 @@ class TrainerWorld:
                 returned = self.ledger.trainer_restarted(self.checkpoints.meta(ckpt)["step"] if ckpt else 0)
                 self.record.rollback_to(self.checkpoints.meta(ckpt)["record_rows"] if ckpt else 0)
                 self.committer.forget()
-                self.events.add(f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
-                                f"({returned} leased samples given back): {cause}", logging.WARNING)
+                self.events.add(
+                    f"trainer world restarted from {ckpt.name if ckpt else 'scratch'} "
+                    f"({returned} leased samples given back): {cause}",
+                    logging.WARNING,
+                )
                 self.resume_from = ckpt
                 return self.begin()
             except TrainerFailure as e:
@@ -200,13 +227,26 @@ class TrainerWorld:
             if not rows and counts.to_generate == 0 and not counts.generating:
                 failed = self.ledger.outcome()["failed"]
                 example = next(iter(failed.items()), ("-", ["?"]))
-                raise RuntimeError(f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
-                                   f"{example[1][-1] if example[1] else '?'}")
+                raise RuntimeError(
+                    f"no answer could be stored: {len(failed)} prompt x epochs FAILED, e.g. {example[0]}: "
+                    f"{example[1][-1] if example[1] else '?'}"
+                )
             self.supervisor.check()  # replicas that die before the first answers are replaced meanwhile
             return False
 
         timeout = self.cfg.inference.first_samples_timeout_s
-        wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=lambda: TimeoutError(
-            f"{len(rows)} of the first {want} answers stored after {timeout:.0f}s (inference.first_samples_timeout_s); "
-            f"ledger: {({'pending': counts.pending, 'generating': counts.generating, 'stored': counts.stored, 'failed': counts.failed})}"))
+
+        def timed_out():
+            ledger = {
+                "pending": counts.pending,
+                "generating": counts.generating,
+                "stored": counts.stored,
+                "failed": counts.failed,
+            }
+            return TimeoutError(
+                f"{len(rows)} of the first {want} answers stored after {timeout:.0f}s "
+                f"(inference.first_samples_timeout_s); ledger: {ledger}"
+            )
+
+        wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=timed_out)
         return self.gang.vocab_mapping(rows, self.vocab_texts)

@@ -58,8 +58,17 @@ class TrainingEnd:
     autoscaler: list | None  # what the autoscaler decided and applied, in order (None: it was off)
 
 
-def stopped(run: RunFacts, reason: str, phase: str, step: int, trained_until_s: float | None, committer, checkpoints,
-            record, ledger) -> dict:
+def stopped(
+    run: RunFacts,
+    reason: str,
+    phase: str,
+    step: int,
+    trained_until_s: float | None,
+    committer,
+    checkpoints,
+    record,
+    ledger,
+) -> dict:
     """A stop (`ray job stop`, SIGTERM to the driver) in any `phase`: what was trained since the
     last checkpoint is committed in one more (`committer`, None when the stop came before the
     trainer), and result.json says so and how to resume. No calibration, export or evaluation:
@@ -73,8 +82,10 @@ def stopped(run: RunFacts, reason: str, phase: str, step: int, trained_until_s: 
         try:
             committer.commit(step)
         except Exception as e:  # noqa: BLE001 - the stop's record matters more; the last checkpoint stands
-            problems.append(f"the stop's checkpoint at step {step} failed ({type(e).__name__}: {e}); "
-                            f"the last one stands and its steps since are trained again on resume")
+            problems.append(
+                f"the stop's checkpoint at step {step} failed ({type(e).__name__}: {e}); "
+                f"the last one stands and its steps since are trained again on resume"
+            )
     latest = checkpoints.latest()
     try:
         proof = record.verify(ledger.outcome(), complete=False) if ledger is not None else None
@@ -82,12 +93,22 @@ def stopped(run: RunFacts, reason: str, phase: str, step: int, trained_until_s: 
         proof = None
         problems.append(f"the exactly-once proof could not be read: {type(e).__name__}: {e}")
     cfg = run.cfg
-    resume = (f"submit the same command again with run_name={cfg.run_name} output_dir={cfg.output_dir}: "
-              + (f"it resumes from {latest} (trainer.resume=auto)" if latest else "it starts over (nothing was trained)"))
-    results = {"status": "stopped", "reason": reason, "phase": phase, "run_dir": str(run.run_dir), "steps": step,
-               "checkpoint": str(latest) if latest else None, "resume": resume, "exactly_once": proof,
-               "events": run.events + problems, "trained_until_s": trained_until_s,
-               "wall_clock_s": time.monotonic() - run.started}
+    resume = f"submit the same command again with run_name={cfg.run_name} output_dir={cfg.output_dir}: " + (
+        f"it resumes from {latest} (trainer.resume=auto)" if latest else "it starts over (nothing was trained)"
+    )
+    results = {
+        "status": "stopped",
+        "reason": reason,
+        "phase": phase,
+        "run_dir": str(run.run_dir),
+        "steps": step,
+        "checkpoint": str(latest) if latest else None,
+        "resume": resume,
+        "exactly_once": proof,
+        "events": run.events + problems,
+        "trained_until_s": trained_until_s,
+        "wall_clock_s": time.monotonic() - run.started,
+    }
     run.write(results)
     log.warning("stopped (%s) at step %d; %s", reason, step, resume)
     return results
@@ -112,8 +133,21 @@ def pictures(run: RunFacts, history: Path, wandb_run, final: Path, results: dict
     return {name: d["path"] for name, d in drawn.items()}
 
 
-def finish(run: RunFacts, inputs: JobInputs, box_plan: dict | None, end: TrainingEnd, calibration: dict, ledger,
-           record, gang, evaluator, reporter, history: Path, wandb_run, stop_check) -> dict:
+def finish(
+    run: RunFacts,
+    inputs: JobInputs,
+    box_plan: dict | None,
+    end: TrainingEnd,
+    calibration: dict,
+    ledger,
+    record,
+    gang,
+    evaluator,
+    reporter,
+    history: Path,
+    wandb_run,
+    stop_check,
+) -> dict:
     """The proof from the record, the export (rank 0), the evaluation, the pictures, the recipe
     and result.json; `JobFailed` (after writing them) when more prompt x epochs failed than
     `data.max_failed_fraction` allows. `stop_check(phase)` raises JobStopped once a stop was sent
@@ -128,19 +162,36 @@ def finish(run: RunFacts, inputs: JobInputs, box_plan: dict | None, end: Trainin
     counts = ledger.counts()
     prompts = len(inputs.train_prompts)
     results = {
-        "status": "completed", "run_dir": str(run.run_dir), "drafter": str(final), "steps": end.steps,
-        "ended_by": end.ended_by, "trained_fraction": proof["trained"] / max(counts.total, 1),
-        "exactly_once": proof, "world": end.world, "calibration": calibration, "events": run.events,
+        "status": "completed",
+        "run_dir": str(run.run_dir),
+        "drafter": str(final),
+        "steps": end.steps,
+        "ended_by": end.ended_by,
+        "trained_fraction": proof["trained"] / max(counts.total, 1),
+        "exactly_once": proof,
+        "world": end.world,
+        "calibration": calibration,
+        "events": run.events,
         # the plan the time budget kept (cluster.training.budget); what each epoch trained is in exactly_once
-        "epochs": {"planned": cfg.data.epochs, "kept": counts.epochs, "prompts": prompts,
-                   "trained": round(proof["trained"] / max(prompts, 1), 3)},
+        "epochs": {
+            "planned": cfg.data.epochs,
+            "kept": counts.epochs,
+            "prompts": prompts,
+            "trained": round(proof["trained"] / max(prompts, 1), 3),
+        },
         "lr_horizon": end.lr_horizon,
         # what cluster.box chose for this machine (box_plan.enabled), with the paces it probed
         "plan": box_plan,
         "trained_until_s": end.trained_until_s,
-        "groups": {name: {"replicas": g["replicas"], "generated": proof["generated_by_group"].get(name, 0),
-                          "trained_by_its_ranks": proof["trained_by_group"].get(name, 0), "events": g["events"]}
-                   for name, g in end.groups.items()},
+        "groups": {
+            name: {
+                "replicas": g["replicas"],
+                "generated": proof["generated_by_group"].get(name, 0),
+                "trained_by_its_ranks": proof["trained_by_group"].get(name, 0),
+                "events": g["events"],
+            }
+            for name, g in end.groups.items()
+        },
         "autoscaler": end.autoscaler,
     }
     failed = proof["failed"]
@@ -161,24 +212,34 @@ def finish(run: RunFacts, inputs: JobInputs, box_plan: dict | None, end: Trainin
     results["quality"] = asdict(quality)
     if not quality.worth_serving:
         log.warning("this drafter is not worth serving: %s; %s", "; ".join(quality.reasons), "; ".join(quality.advice))
-    write_recipe(final, {**training_summary(cfg, inputs, proof["trained"], counts.epochs, end.steps),
-                         "quality": results["quality"]},
-                 results["evaluation"], measured.sampled, measured.long_context)
+    write_recipe(
+        final,
+        {**training_summary(cfg, inputs, proof["trained"], counts.epochs, end.steps), "quality": results["quality"]},
+        results["evaluation"],
+        measured.sampled,
+        measured.long_context,
+    )
     # Final values once more, fresh for whoever looks after the job: Ray drops series that
     # nobody has set for a while, and training ended before the evaluation.
     reporter.report()
     reporter.publish_train(reporter.stats.last)
     reporter.publish_evaluation(results["evaluation"])
-    results["machine"] = {"cpu": read_cpu().to_dict(), "device": cfg.device, "target_dtype": cfg.target.dtype,
-                          "trainer_precision": cfg.trainer.precision}
+    results["machine"] = {
+        "cpu": read_cpu().to_dict(),
+        "device": cfg.device,
+        "target_dtype": cfg.target.dtype,
+        "trainer_precision": cfg.trainer.precision,
+    }
     results["wall_clock_s"] = time.monotonic() - run.started  # the job, from its config to this file
     run.write(results)
     if results["failed_fraction"] > cfg.data.max_failed_fraction:
         u = failed[0]
-        raise JobFailed(f"{len(failed)} of {counts.total} prompt x epochs failed ({results['failed_fraction']:.1%} > "
-                        f"data.max_failed_fraction={cfg.data.max_failed_fraction}), e.g. {u}: "
-                        f"{outcome['failed'][u][-1] if outcome['failed'][u] else '?'}; the drafter and result.json "
-                        f"are written ({run.run_dir})")
+        raise JobFailed(
+            f"{len(failed)} of {counts.total} prompt x epochs failed ({results['failed_fraction']:.1%} > "
+            f"data.max_failed_fraction={cfg.data.max_failed_fraction}), e.g. {u}: "
+            f"{outcome['failed'][u][-1] if outcome['failed'][u] else '?'}; the drafter and result.json "
+            f"are written ({run.run_dir})"
+        )
     return results
 
 
@@ -186,7 +247,14 @@ def training_summary(cfg: JobConfig, inputs: JobInputs, trained: int, epochs: in
     """What the model card says about the data the drafter learned from."""
     categories = Counter(c.category or UNCATEGORIZED for c in inputs.train_prompts)
     sampling = cfg.sampling
-    return {"target": cfg.target.name or inputs.target.path, "prompt_files": list(cfg.data.prompts),
-            "train_prompts": len(inputs.train_prompts), "heldout_prompts": len(inputs.heldout),
-            "categories": dict(categories), "epochs": epochs, "trained_samples": trained, "steps": steps,
-            "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens"}
+    return {
+        "target": cfg.target.name or inputs.target.path,
+        "prompt_files": list(cfg.data.prompts),
+        "train_prompts": len(inputs.train_prompts),
+        "heldout_prompts": len(inputs.heldout),
+        "categories": dict(categories),
+        "epochs": epochs,
+        "trained_samples": trained,
+        "steps": steps,
+        "sampling": f"temperature {sampling.temperature}, up to {sampling.max_tokens} tokens",
+    }

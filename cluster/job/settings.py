@@ -20,12 +20,19 @@ def producer_spec(cfg: JobConfig, inputs: JobInputs, group_index: int, fault_dir
         i = cfg.inference
         rate = g.replay_samples_per_s if g.replay_samples_per_s is not None else i.replay_samples_per_s
         hooks = cfg.testing
-        settings = ReplaySettings(i.replay_dir, StoreConfig(), rate, crash_on=list(hooks.replay_crash_on),
-                                  hang_on=list(hooks.replay_hang_on), start_hangs=hooks.replay_start_hangs,
-                                  fault_dir=fault_dir)
+        settings = ReplaySettings(
+            i.replay_dir,
+            StoreConfig(),
+            rate,
+            crash_on=list(hooks.replay_crash_on),
+            hang_on=list(hooks.replay_hang_on),
+            start_hangs=hooks.replay_start_hangs,
+            fault_dir=fault_dir,
+        )
         return ProducerSpec(ReplayActor, settings, i.prompt_batch)
-    return ProducerSpec(InferenceActor, inference_settings(cfg, inputs, g.name), cfg.inference.prompt_batch,
-                        cpu_engine_env(cfg))
+    return ProducerSpec(
+        InferenceActor, inference_settings(cfg, inputs, g.name), cfg.inference.prompt_batch, cpu_engine_env(cfg)
+    )
 
 
 def cpu_engine_env(cfg: JobConfig) -> dict | None:
@@ -48,15 +55,30 @@ def inference_settings(cfg: JobConfig, inputs: JobInputs, group: str):
     from cluster.store import StoreConfig
 
     return InferenceSettings(
-        target=replace(cfg.target, path=inputs.target.path), layer_ids=inputs.layer_ids,
-        key_prefix=f"{cfg.run_name}/{group}", sampling=cfg.sampling, store=StoreConfig(), device=cfg.device,
-        cpu_threads=cfg.inference.cpu_threads, chat=inputs.target.chat)
+        target=replace(cfg.target, path=inputs.target.path),
+        layer_ids=inputs.layer_ids,
+        key_prefix=f"{cfg.run_name}/{group}",
+        sampling=cfg.sampling,
+        store=StoreConfig(),
+        device=cfg.device,
+        cpu_threads=cfg.inference.cpu_threads,
+        chat=inputs.target.chat,
+    )
 
 
 def trainer_settings(cfg: JobConfig, inputs: JobInputs, store, lr_horizon: int):
     from cluster.training import TrainerSettings
 
-    return TrainerSettings(target_path=inputs.target.path, trust_remote_code=cfg.target.trust_remote_code,
-                           chat=inputs.target.chat, drafter=cfg.drafter, trainer=cfg.trainer, store=store,
-                           device=cfg.device, total_steps=lr_horizon, aux_layer_ids=inputs.aux_layer_ids,
-                           extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR"), testing=cfg.testing)
+    return TrainerSettings(
+        target_path=inputs.target.path,
+        trust_remote_code=cfg.target.trust_remote_code,
+        chat=inputs.target.chat,
+        drafter=cfg.drafter,
+        trainer=cfg.trainer,
+        store=store,
+        device=cfg.device,
+        total_steps=lr_horizon,
+        aux_layer_ids=inputs.aux_layer_ids,
+        extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR"),
+        testing=cfg.testing,
+    )

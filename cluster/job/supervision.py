@@ -13,8 +13,9 @@ from cluster.training import TrainerGang
 
 
 class Supervisor:
-    def __init__(self, services: StoreServices, pools: dict, ledger: LedgerClient, gang: TrainerGang,
-                 events: EventLog) -> None:
+    def __init__(
+        self, services: StoreServices, pools: dict, ledger: LedgerClient, gang: TrainerGang, events: EventLog
+    ) -> None:
         self.services, self.pools, self.ledger, self.gang, self.events = services, pools, ledger, gang, events
         self.master_generation = services.master_info()["generation"]  # the master the ledger's samples are in
 
@@ -23,7 +24,9 @@ class Supervisor:
         if gen > self.master_generation:
             self.master_generation = gen
             lost = self.ledger.master_restarted(gen)
-            self.events.add(f"master restarted (generation {gen}): {lost} stored samples back to pending", logging.WARNING)
+            self.events.add(
+                f"master restarted (generation {gen}): {lost} stored samples back to pending", logging.WARNING
+            )
             self.gang.reconnect_store()
         for pool in self.pools.values():
             pool.supervise()

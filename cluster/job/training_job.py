@@ -51,8 +51,14 @@ WATCHER_LEDGER_TIMEOUT_S = 30.0
 
 
 class TrainingJob:
-    def __init__(self, cfg: JobConfig, conversations: list | None = None, started: float | None = None,
-                 box_plan: dict | None = None, control: ControlChannel | None = None) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        conversations: list | None = None,
+        started: float | None = None,
+        box_plan: dict | None = None,
+        control: ControlChannel | None = None,
+    ) -> None:
         """`conversations`: the prompts as `cluster.preflight.check_inputs` read them (None: the
         job reads them); `started`: the job's start (time.monotonic; None: now), from which the
         time budget and the wall clock count; `box_plan`: the plan `cluster.box` chose;
@@ -75,9 +81,11 @@ class TrainingJob:
         self.pools: dict = {}
         self.placed: list = []
         if box_plan:
-            self.events.add(f"plan for this box: {box_plan['prompts_per_category']} prompts per category, answers of "
-                            f"up to {box_plan['answer_tokens']} tokens, replica {box_plan['replica_threads']} / trainer "
-                            f"{box_plan['trainer_threads']} thread(s): {'; '.join(box_plan['reasons'])}")
+            self.events.add(
+                f"plan for this box: {box_plan['prompts_per_category']} prompts per category, answers of "
+                f"up to {box_plan['answer_tokens']} tokens, replica {box_plan['replica_threads']} / trainer "
+                f"{box_plan['trainer_threads']} thread(s): {'; '.join(box_plan['reasons'])}"
+            )
 
     def run(self) -> dict:
         """The job: read and check, start every part, train, then calibrate, commit, export and
@@ -97,13 +105,33 @@ class TrainingJob:
                     self.loop.restart(e)  # from the last checkpoint: what it had not committed is trained again
                     self.loop.run(begun=True)
             print(self.reporter.report(), flush=True)
-            end = TrainingEnd(ended_by, self.stats.step, self.trained_until_s, self.gang.settings.total_steps,
-                              self.gang.layout(), {name: {"replicas": self.final_replicas[name], "events": pool.events}
-                                                   for name, pool in self.pools.items()},
-                              self.autoscaler.decisions() if self.autoscaler is not None else None)
-            return finish(self.run_facts, self.inputs, self.box_plan, end, calibration, self.ledger, self.record,
-                          self.gang, Evaluator(self.cfg, self.inputs, self.run_dir, self.placed, self.control.raise_if_stopped),
-                          self.reporter, self.history.path, self.wandb, self.control.raise_if_stopped)
+            end = TrainingEnd(
+                ended_by,
+                self.stats.step,
+                self.trained_until_s,
+                self.gang.settings.total_steps,
+                self.gang.layout(),
+                {
+                    name: {"replicas": self.final_replicas[name], "events": pool.events}
+                    for name, pool in self.pools.items()
+                },
+                self.autoscaler.decisions() if self.autoscaler is not None else None,
+            )
+            return finish(
+                self.run_facts,
+                self.inputs,
+                self.box_plan,
+                end,
+                calibration,
+                self.ledger,
+                self.record,
+                self.gang,
+                Evaluator(self.cfg, self.inputs, self.run_dir, self.placed, self.control.raise_if_stopped),
+                self.reporter,
+                self.history.path,
+                self.wandb,
+                self.control.raise_if_stopped,
+            )
         except JobStopped as e:  # outside the loop's steps: `shutdown` releases what was placed
             return self.stopped(str(e), e.phase)
         finally:
@@ -114,24 +142,42 @@ class TrainingJob:
         against it, the LR horizon, the held-out prompts' file, wandb."""
         cfg = self.cfg
         self.inputs = inputs = read_inputs(cfg, self.conversations)
-        self.resume = check_resume_plan(cfg, self.checkpoints, {c.id for c in inputs.train_prompts},
-                                        {c.id for c in inputs.heldout})
+        self.resume = check_resume_plan(
+            cfg, self.checkpoints, {c.id for c in inputs.train_prompts}, {c.id for c in inputs.heldout}
+        )
         # the figures over time, for the end-of-job pictures; a resumed run goes on with its own
         self.history = RunHistory(self.run_dir / "history.jsonl", self.started)
         if self.resume is None:
             self.history.path.unlink(missing_ok=True)
-        self.lr_horizon = first_lr_horizon(cfg, len(inputs.train_prompts),
-                                           self.checkpoints.meta(self.resume).get("lr_horizon") if self.resume else None)
-        (self.run_dir / "heldout.jsonl").write_text("".join(json.dumps(c.prompt_record()) + "\n" for c in inputs.heldout))
+        self.lr_horizon = first_lr_horizon(
+            cfg,
+            len(inputs.train_prompts),
+            self.checkpoints.meta(self.resume).get("lr_horizon") if self.resume else None,
+        )
+        (self.run_dir / "heldout.jsonl").write_text(
+            "".join(json.dumps(c.prompt_record()) + "\n" for c in inputs.heldout)
+        )
         if cfg.logging.wandb_mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_CACHE_DIR", str(self.run_dir / "wandb-cache"))
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.run_name, mode=cfg.logging.wandb_mode,
-                                    dir=str(self.run_dir), resume="allow", id=cfg.run_name.replace("/", "_"),
-                                    config=json.loads(json.dumps(asdict(cfg), default=str)))
-        log.info("target %s, aux layers %s, %d training prompts, %d held out, ~%d steps", inputs.target.path,
-                 inputs.aux_layer_ids, len(inputs.train_prompts), len(inputs.heldout), self.lr_horizon)
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=cfg.run_name,
+                mode=cfg.logging.wandb_mode,
+                dir=str(self.run_dir),
+                resume="allow",
+                id=cfg.run_name.replace("/", "_"),
+                config=json.loads(json.dumps(asdict(cfg), default=str)),
+            )
+        log.info(
+            "target %s, aux layers %s, %d training prompts, %d held out, ~%d steps",
+            inputs.target.path,
+            inputs.aux_layer_ids,
+            len(inputs.train_prompts),
+            len(inputs.heldout),
+            self.lr_horizon,
+        )
 
     def start(self) -> None:
         """Placement, the store services, the ledger, the trainer world, every group's producers,
@@ -153,54 +199,120 @@ class TrainingJob:
         self.services.start()
         self.services.ensure_node_stores(self.placed)
         reuse = cfg.data.reuse_samples_across_epochs
-        self.ledger = LedgerClient(ray.remote(num_cpus=0)(SampleLedger).options(name=f"ledger-{cfg.run_name}").remote(
-            [{"id": c.id, "messages": c.prompt_messages} for c in inputs.train_prompts], epochs=cfg.data.epochs,
-            key_prefix=cfg.run_name, watermarks=watermarks, shuffle_seed=cfg.trainer.seed,
-            reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0,
-            sample_bytes_estimate=inputs.max_sample_bytes,
-            reserved=reserved_prompts(inputs.calibration_prompts, inputs.evaluated_prompts)
-            if inputs.calibration_prompts else []))
+        self.ledger = LedgerClient(
+            ray.remote(num_cpus=0)(SampleLedger)
+            .options(name=f"ledger-{cfg.run_name}")
+            .remote(
+                [{"id": c.id, "messages": c.prompt_messages} for c in inputs.train_prompts],
+                epochs=cfg.data.epochs,
+                key_prefix=cfg.run_name,
+                watermarks=watermarks,
+                shuffle_seed=cfg.trainer.seed,
+                reuse_across_epochs=reuse if reuse is not None else cfg.sampling.temperature == 0,
+                sample_bytes_estimate=inputs.max_sample_bytes,
+                reserved=reserved_prompts(inputs.calibration_prompts, inputs.evaluated_prompts)
+                if inputs.calibration_prompts
+                else [],
+            )
+        )
         stop_check("start-up (the trainer world)")
-        self.gang = TrainerGang(trainer_settings(cfg, inputs, self.services.store_config(), self.lr_horizon),
-                                cfg.run_name, cpu_rank_env(cfg))
+        self.gang = TrainerGang(
+            trainer_settings(cfg, inputs, self.services.store_config(), self.lr_horizon),
+            cfg.run_name,
+            cpu_rank_env(cfg),
+        )
         self.supervisor = Supervisor(self.services, self.pools, self.ledger, self.gang, self.events)
         self.committer = Committer(self.gang, self.ledger, self.record, self.checkpoints)
-        self.world = TrainerWorld(cfg, self.gang, self.services, self.ledger, self.record, self.checkpoints,
-                                  self.committer, self.supervisor, self.events, inputs.vocab_texts,
-                                  len(inputs.train_prompts), resume_from=None, stop_check=stop_check)
+        self.world = TrainerWorld(
+            cfg,
+            self.gang,
+            self.services,
+            self.ledger,
+            self.record,
+            self.checkpoints,
+            self.committer,
+            self.supervisor,
+            self.events,
+            inputs.vocab_texts,
+            len(inputs.train_prompts),
+            resume_from=None,
+            stop_check=stop_check,
+        )
         self.world.start([p for p in self.placed if p.spec.role == "trainer"])
         stop_check("start-up (the replicas)")
         # before any producer asks the ledger for prompts
-        self.world.resume_from = restore_data_state(self.resume, self.checkpoints, self.ledger, self.record, self.gang,
-                                                    self.supervisor.master_generation, self.events)
+        self.world.resume_from = restore_data_state(
+            self.resume,
+            self.checkpoints,
+            self.ledger,
+            self.record,
+            self.gang,
+            self.supervisor.master_generation,
+            self.events,
+        )
         watcher_ledger = self.ledger.with_timeout(WATCHER_LEDGER_TIMEOUT_S)
         for gi, g in enumerate(cfg.topology.groups):
             i = cfg.inference
-            pool = ReplicaPool(g.name, producer_spec(cfg, inputs, gi, str(self.run_dir)), watcher_ledger, self.services,
-                               replica_spec(cfg, gi), cfg.run_name, cfg.autoscaler.placement_timeout_s,
-                               RestartBudget(i.max_replica_restarts, i.restart_window_s), i.generation_timeout_s,
-                               i.restart_backoff_s, i.start_timeout_s)
+            pool = ReplicaPool(
+                g.name,
+                producer_spec(cfg, inputs, gi, str(self.run_dir)),
+                watcher_ledger,
+                self.services,
+                replica_spec(cfg, gi),
+                cfg.run_name,
+                cfg.autoscaler.placement_timeout_s,
+                RestartBudget(i.max_replica_restarts, i.restart_window_s),
+                i.generation_timeout_s,
+                i.restart_backoff_s,
+                i.start_timeout_s,
+            )
             for p in self.placed:
                 if p.spec.group == g.name and p.spec.role == "inference":
                     pool.start(p)
             self.pools[g.name] = pool
         self.stats.ranks, self.stats.layout = self.gang.size, self.gang.layout()
-        self.reporter = ProgressReporter(Metrics(tags={"run": cfg.run_name}), watcher_ledger, self.pools, self.stats,
-                                         self.services, self.wandb, self.history)
-        threading.Thread(target=self.reporter.loop, args=(self.stop_event, cfg.logging.progress_interval_s),
-                         daemon=True, name="progress").start()
+        self.reporter = ProgressReporter(
+            Metrics(tags={"run": cfg.run_name}),
+            watcher_ledger,
+            self.pools,
+            self.stats,
+            self.services,
+            self.wandb,
+            self.history,
+        )
+        threading.Thread(
+            target=self.reporter.loop,
+            args=(self.stop_event, cfg.logging.progress_interval_s),
+            daemon=True,
+            name="progress",
+        ).start()
         if cfg.autoscaler.enabled:
             from cluster.scaling import AutoscaleLoop
 
             self.autoscaler = AutoscaleLoop(cfg, self.pools, watcher_ledger, self.stats, self.control, watermarks)
-            threading.Thread(target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler").start()
+            threading.Thread(
+                target=self.autoscaler.run, args=(self.stop_event,), daemon=True, name="autoscaler"
+            ).start()
         t = cfg.trainer
         # The pace is measured over a checkpoint interval at least: checkpoints are part of it.
-        planner = EpochPlanner(self.started + t.time_budget_s if t.time_budget_s else float("inf"),
-                               window=max(10, t.checkpoint_interval))
-        self.loop = TrainingLoop(t, cfg.device == "cpu", self.ledger, self.gang, self.world, self.committer,
-                                 self.record, self.supervisor, self.reporter, planner, self.stats, self.control,
-                                 self.events)
+        planner = EpochPlanner(
+            self.started + t.time_budget_s if t.time_budget_s else float("inf"), window=max(10, t.checkpoint_interval)
+        )
+        self.loop = TrainingLoop(
+            t,
+            cfg.device == "cpu",
+            self.ledger,
+            self.gang,
+            self.world,
+            self.committer,
+            self.record,
+            self.supervisor,
+            self.reporter,
+            planner,
+            self.stats,
+            self.control,
+            self.events,
+        )
 
     def finalize(self) -> dict:
         """The reporter and the autoscaler threads stop; the confidence head is calibrated on the
@@ -209,8 +321,13 @@ class TrainingJob:
         world that fails here restarts from the last checkpoint, its released samples generated
         again)."""
         self.stop_event.set()
-        calib = calibrate_head(self.ledger, self.gang, self.inputs.calibration_prompts, self.cfg.data.calibration_wait_s,
-                               self.control.raise_if_stopped)
+        calib = calibrate_head(
+            self.ledger,
+            self.gang,
+            self.inputs.calibration_prompts,
+            self.cfg.data.calibration_wait_s,
+            self.control.raise_if_stopped,
+        )
         self.committer.commit(self.stats.step)
         self.final_replicas = {name: len(pool) for name, pool in self.pools.items()}
         for pool in self.pools.values():
@@ -219,8 +336,17 @@ class TrainingJob:
 
     def stopped(self, reason: str, phase: str) -> dict:
         self.stop_event.set()  # the progress reporter and the autoscaler
-        return stopped(self.run_facts, reason, phase, self.stats.step, self.trained_until_s, self.committer,
-                       self.checkpoints, self.record, self.ledger)
+        return stopped(
+            self.run_facts,
+            reason,
+            phase,
+            self.stats.step,
+            self.trained_until_s,
+            self.committer,
+            self.checkpoints,
+            self.record,
+            self.ledger,
+        )
 
     def shutdown(self) -> None:
         from cluster.scaling import release

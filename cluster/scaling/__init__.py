@@ -9,12 +9,47 @@ trains in its time budget is the box room's (`cluster.box`).
 from cluster.scaling.autoscaler import AutoscaleLoop
 from cluster.scaling.capacity import drafter_size, group_watermarks, groups_on_nodes, target_config
 from cluster.scaling.capacity import plan as capacity_plan
-from cluster.scaling.placement import (Placed, PlacementError, RoleSpec, check_topology, cluster_request, describe, place,
-                                       place_all, release, replica_spec, role_specs, sort_bundles_by_node,
-                                       trainer_specs)
+from cluster.scaling.placement import (
+    Placed,
+    PlacementError,
+    RoleSpec,
+    check_topology,
+    cluster_request,
+    describe,
+    place,
+    place_all,
+    release,
+    replica_spec,
+    role_specs,
+    sort_bundles_by_node,
+    trainer_specs,
+)
 from cluster.scaling.policy import Decision, GroupState, ScalingPolicy, best_allocation, pooled_throughput, spread_ranks
 
-__all__ = ["AutoscaleLoop", "Decision", "GroupState", "Placed", "PlacementError", "RoleSpec", "ScalingPolicy",
-           "best_allocation", "capacity_plan", "check_topology", "cluster_request", "describe", "drafter_size", "group_watermarks", "groups_on_nodes", "place",
-           "place_all", "pooled_throughput", "release", "replica_spec", "role_specs", "sort_bundles_by_node",
-           "spread_ranks", "target_config", "trainer_specs"]
+__all__ = [
+    "AutoscaleLoop",
+    "Decision",
+    "GroupState",
+    "Placed",
+    "PlacementError",
+    "RoleSpec",
+    "ScalingPolicy",
+    "best_allocation",
+    "capacity_plan",
+    "check_topology",
+    "cluster_request",
+    "describe",
+    "drafter_size",
+    "group_watermarks",
+    "groups_on_nodes",
+    "place",
+    "place_all",
+    "pooled_throughput",
+    "release",
+    "replica_spec",
+    "role_specs",
+    "sort_bundles_by_node",
+    "spread_ranks",
+    "target_config",
+    "trainer_specs",
+]

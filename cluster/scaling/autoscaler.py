@@ -28,8 +28,14 @@ ACTIONS = {"none": 0, "measuring": 0, "add_replica": 1, "remove_replica": -1, "r
 
 class Autoscaler:
     def __init__(self, cfg: AutoscalerConfig, run_name: str, units_per_replica: float, metrics_backend=None) -> None:
-        self.policy = ScalingPolicy(cfg.scale_up_delay_s, cfg.scale_down_delay_s, cfg.cooldown_s,
-                                    cfg.starving_wait_fraction, cfg.min_gain, units_per_replica)
+        self.policy = ScalingPolicy(
+            cfg.scale_up_delay_s,
+            cfg.scale_down_delay_s,
+            cfg.cooldown_s,
+            cfg.starving_wait_fraction,
+            cfg.min_gain,
+            units_per_replica,
+        )
         self.metrics = Metrics(tags={"run": run_name}, backend=metrics_backend)
         self.history: list[dict] = []
 
@@ -67,8 +73,11 @@ class AutoscaleLoop:
         gpu = any(g.gpus_per_node for g in cfg.topology.groups)
         self.unit = "GPU" if gpu else "CPU"
         per_replica = cfg.target.tensor_parallel_size if gpu else cfg.topology.groups[0].cpus_per_replica
-        self.actor = ray.remote(num_cpus=0)(Autoscaler).options(name=f"autoscaler-{cfg.run_name}").remote(
-            a, cfg.run_name, per_replica)
+        self.actor = (
+            ray.remote(num_cpus=0)(Autoscaler)
+            .options(name=f"autoscaler-{cfg.run_name}")
+            .remote(a, cfg.run_name, per_replica)
+        )
         self.window: dict = {}
         self.resize_seq = 0  # the last resize request sent to the training loop
 
@@ -93,13 +102,25 @@ class AutoscaleLoop:
             w[("produced", g.name)], w[("busy", g.name)] = produced, busy
             mine = c.group(g.name)
             lo, hi = g.trainer_rank_bounds()
-            out.append(GroupState(
-                g.name, len(self.pools[g.name]), s.layout.get(g.name, 0), g.min_replicas, g.max_replicas, lo, hi,
-                per_replica_rate=d_prod / d_busy if d_busy > 0 and d_prod > 0 else None, per_rank_rate=per_rank,
-                data_wait_fraction=min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
-                queue_samples=mine.stored, queue_bytes=mine.queued_bytes,
-                high_watermark_bytes=marks[g.name][0], producers_paused=mine.paused,
-                trainer_running=s.train_s > 0))
+            out.append(
+                GroupState(
+                    g.name,
+                    len(self.pools[g.name]),
+                    s.layout.get(g.name, 0),
+                    g.min_replicas,
+                    g.max_replicas,
+                    lo,
+                    hi,
+                    per_replica_rate=d_prod / d_busy if d_busy > 0 and d_prod > 0 else None,
+                    per_rank_rate=per_rank,
+                    data_wait_fraction=min(1.0, d_wait / d_time) if d_time > 0 else 0.0,
+                    queue_samples=mine.stored,
+                    queue_bytes=mine.queued_bytes,
+                    high_watermark_bytes=marks[g.name][0],
+                    producers_paused=mine.paused,
+                    trainer_running=s.train_s > 0,
+                )
+            )
         return out
 
     def run(self, stop: threading.Event) -> None:
@@ -135,8 +156,11 @@ class AutoscaleLoop:
             elif d.action == "resize_trainer":
                 now = self.stats.layout.get(d.group, 0)
                 resize[d.group] = d.target_ranks
-                print(f"[autoscaler] {d.group}: trainer {now}->{d.target_ranks} ranks at the next checkpoint ({d.reason})",
-                      flush=True)
+                print(
+                    f"[autoscaler] {d.group}: trainer {now}->{d.target_ranks} ranks at the next checkpoint "
+                    f"({d.reason})",
+                    flush=True,
+                )
                 applied.append((d.group, "grow_trainer" if d.target_ranks > now else "shrink_trainer"))
         if resize:  # the round's groups in one request: one world restart
             self.resize_seq += 1
@@ -159,4 +183,3 @@ class AutoscaleLoop:
 
     def decisions(self) -> list[dict]:
         return self.ray.get(self.actor.decisions.remote(), timeout=30)
-

@@ -94,8 +94,10 @@ def target_config(cfg: JobConfig):
         tc = PretrainedConfig(**(d.get("text_config") or d))
         tc._name_or_path = cfg.target.path
     else:
-        raise FileNotFoundError(f"capacity plan: target.path={cfg.target.path} has no config.json here; "
-                                f"set target.plan_config to a copy of it")
+        raise FileNotFoundError(
+            f"capacity plan: target.path={cfg.target.path} has no config.json here; "
+            f"set target.plan_config to a copy of it"
+        )
     return getattr(tc, "text_config", None) or tc
 
 
@@ -125,11 +127,18 @@ def drafter_size(cfg: JobConfig, tcfg) -> DrafterSize:
     d = cfg.drafter
     dspark = d.mode == "dspark"
     aux = cfg.target.aux_layer_ids or default_aux_layer_ids(tcfg.num_hidden_layers, cfg.target.num_aux_layers)
-    dc = DSparkConfig.from_target(tcfg, mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
-                                  markov_rank=d.markov_rank if dspark else 0, markov_head_type=d.markov_head_type,
-                                  enable_confidence_head=d.enable_confidence_head if dspark else False,
-                                  draft_vocab_size=d.draft_vocab_size, aux_layer_ids=list(aux),
-                                  mask_token_id=d.mask_token_id if d.mask_token_id is not None else 0)
+    dc = DSparkConfig.from_target(
+        tcfg,
+        mode=d.mode,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        markov_rank=d.markov_rank if dspark else 0,
+        markov_head_type=d.markov_head_type,
+        enable_confidence_head=d.enable_confidence_head if dspark else False,
+        draft_vocab_size=d.draft_vocab_size,
+        aux_layer_ids=list(aux),
+        mask_token_id=d.mask_token_id if d.mask_token_id is not None else 0,
+    )
     with torch.device("meta"):
         model = DSparkDrafter(dc)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -151,14 +160,16 @@ def plan(cfg: JobConfig) -> str:
     state = drafter.state_bytes_per_rank(t.precision, t.zero_stage, world)
     out = [
         f"capacity plan: target {cfg.target.path} (hidden {dc.hidden_size}, {dc.target_num_layers} layers, "
-        f"vocab {dc.target_vocab_size}); {states} hidden states per token (aux layers {list(dc.aux_layer_ids)} + the last)",
+        f"vocab {dc.target_vocab_size}); {states} hidden states per token "
+        f"(aux layers {list(dc.aux_layer_ids)} + the last)",
         f"  hidden states: {states} x {dc.hidden_size} x {item} B ({cfg.target.dtype}) = {per_token:,} B per token "
         f"(+5 B of token id and loss mask)",
-        f"  drafter: {dc.num_layers} layers, {drafter.trainable:,} trainable parameters ({drafter.trainable / 1e9:.2f} B), "
+        f"  drafter: {dc.num_layers} layers, {drafter.trainable:,} trainable parameters "
+        f"({drafter.trainable / 1e9:.2f} B), "
         f"{drafter.frozen:,} frozen ({drafter.frozen / 1e9:.2f} B: the target's embedding, final norm and LM head"
         f"{', the reduced draft head' if dc.draft_vocab_size != dc.target_vocab_size else ''})",
-        f"  model state per trainer rank: {state / GIB:.1f} GiB ({t.precision}, ZeRO-{t.zero_stage} over {world} ranks; "
-        f"activations not included)",
+        f"  model state per trainer rank: {state / GIB:.1f} GiB "
+        f"({t.precision}, ZeRO-{t.zero_stage} over {world} ranks; activations not included)",
         f"  one step: {world} ranks x {t.batch_tokens:,} tokens = {world * t.batch_tokens:,} tokens "
         f"= {size(world * t.batch_tokens * per_token)} of hidden states read",
     ]
@@ -177,10 +188,14 @@ def plan(cfg: JobConfig) -> str:
             if not made:
                 side = "no replicas: its ranks train what they borrow from other groups"
             elif can > made:
-                side = f"inference: its ranks could train {can / made:.2f}x what its replicas make (they borrow or wait)"
+                side = (
+                    f"inference: its ranks could train {can / made:.2f}x what its replicas make (they borrow or wait)"
+                )
             else:
-                side = (f"training: its replicas make {made / can:.2f}x what its ranks train (the surplus is lent to "
-                        f"other groups' ranks, or producers pause)")
+                side = (
+                    f"training: its replicas make {made / can:.2f}x what its ranks train (the surplus is lent to "
+                    f"other groups' ranks, or producers pause)"
+                )
             lines += [
                 f"    in:  {g.inference_replicas} x {cap.replica_tokens_per_s:,.0f} tok/s = {made:,.0f} tok/s "
                 f"= {made * per_token / GB:.2f} GB/s into the store",
@@ -188,12 +203,16 @@ def plan(cfg: JobConfig) -> str:
                 f"= {can * per_token / GB:.2f} GB/s read at full speed",
                 f"    limits: {side}",
                 f"    network: {min(made, can) * per_token / GB:.2f} GB/s from replica nodes to the trainer node "
-                f"(each sample crosses once, daemon to daemon)" if nodes > 1 and made else
-                "    network: none (the replica and the ranks share one node's store daemon)" if made else
-                "    network: whatever its ranks borrow, daemon to daemon",
+                f"(each sample crosses once, daemon to daemon)"
+                if nodes > 1 and made
+                else "    network: none (the replica and the ranks share one node's store daemon)"
+                if made
+                else "    network: whatever its ranks borrow, daemon to daemon",
             ]
-        held = (f"producers pause at {high / GIB:.1f} GiB held ({cfg.transport.high_watermark} of its share of one "
-                f"node's segment)")
+        held = (
+            f"producers pause at {high / GIB:.1f} GiB held ({cfg.transport.high_watermark} of its share of one "
+            f"node's segment)"
+        )
         if cap.replica_tokens_per_s:
             held += f" = {high / per_token:,.0f} tokens"
             if g.inference_replicas:
@@ -201,17 +220,30 @@ def plan(cfg: JobConfig) -> str:
         lines.append(f"    store: {nodes} node(s) x {cfg.transport.segment_mb / 1024:g} GiB lent; {held}")
         fits = high / step_bytes
         if t.release_samples == "after_step":
-            lines.append(f"    a step of its ranks reads {size(step_bytes)}; trained samples leave the store after their "
-                         f"step (trainer.release_samples=after_step): what it may hold is {fits:.1f} steps of data"
-                         + ("" if fits >= 2 else ": WARNING steps will run part-full (lower trainer.batch_tokens or "
-                                                 "raise transport.segment_mb)"))
+            lines.append(
+                f"    a step of its ranks reads {size(step_bytes)}; trained samples leave the store after their "
+                f"step (trainer.release_samples=after_step): what it may hold is {fits:.1f} steps of data"
+                + (
+                    ""
+                    if fits >= 2
+                    else ": WARNING steps will run part-full (lower trainer.batch_tokens or raise transport.segment_mb)"
+                )
+            )
         else:
             interval = t.checkpoint_interval * step_bytes
-            note = "" if fits >= t.checkpoint_interval else (
-                f" > what it may hold: WARNING the job will checkpoint early, about every {max(int(fits), 1)} step(s) "
-                f"(trainer.release_samples=after_step, lower trainer.batch_tokens or checkpoint_interval, or raise "
-                f"transport.segment_mb)")
-            lines.append(f"    between checkpoints its ranks train {t.checkpoint_interval} steps x {size(step_bytes)} "
-                         f"= {size(interval)}, kept in the store until committed{note}")
+            note = (
+                ""
+                if fits >= t.checkpoint_interval
+                else (
+                    f" > what it may hold: WARNING the job will checkpoint early, "
+                    f"about every {max(int(fits), 1)} step(s) "
+                    f"(trainer.release_samples=after_step, lower trainer.batch_tokens or checkpoint_interval, or raise "
+                    f"transport.segment_mb)"
+                )
+            )
+            lines.append(
+                f"    between checkpoints its ranks train {t.checkpoint_interval} steps x {size(step_bytes)} "
+                f"= {size(interval)}, kept in the store until committed{note}"
+            )
         out += lines
     return "\n".join(out)

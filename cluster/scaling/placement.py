@@ -90,7 +90,9 @@ def cluster_request(cfg: JobConfig, shapes: list[tuple[int, int]]) -> list[dict]
     `request_resources`: it sizes the cluster so that the listed bundles fit in total, running
     work included, and each call replaces the last, so it lists the whole job, not the increment."""
     layout = {g.name: ranks for g, (_, ranks) in zip(cfg.topology.groups, shapes)}
-    bundles = [dict(b) for gi, (replicas, _) in enumerate(shapes) for _ in range(replicas) for b in replica_bundles(cfg, gi)]
+    bundles = [
+        dict(b) for gi, (replicas, _) in enumerate(shapes) for _ in range(replicas) for b in replica_bundles(cfg, gi)
+    ]
     return bundles + [dict(b) for s in trainer_specs(cfg, layout) for b in s.bundles]
 
 
@@ -100,8 +102,9 @@ def replica_spec(cfg: JobConfig, group_index: int, index: int = 0) -> RoleSpec:
     if any(b.get("GPU") for b in bundles):
         return RoleSpec(g.name, "inference", index, bundles, "PACK", t.nodes_per_replica, cfg.run_name)
     # CPU bundles: one per node the engine spans, each on its own node
-    return RoleSpec(g.name, "inference", index, bundles, "STRICT_SPREAD" if len(bundles) > 1 else "PACK", len(bundles),
-                    cfg.run_name)
+    return RoleSpec(
+        g.name, "inference", index, bundles, "STRICT_SPREAD" if len(bundles) > 1 else "PACK", len(bundles), cfg.run_name
+    )
 
 
 def trainer_specs(cfg: JobConfig, layout: dict[str, int] | None = None, generation: int = 0) -> list[RoleSpec]:
@@ -122,15 +125,19 @@ def trainer_specs(cfg: JobConfig, layout: dict[str, int] | None = None, generati
 def role_specs(cfg: JobConfig) -> list[RoleSpec]:
     """Every placement group of the configured topology: one per inference replica, one per
     trainer node."""
-    replicas = [replica_spec(cfg, gi, r) for gi, g in enumerate(cfg.topology.groups) for r in range(g.inference_replicas)]
+    replicas = [
+        replica_spec(cfg, gi, r) for gi, g in enumerate(cfg.topology.groups) for r in range(g.inference_replicas)
+    ]
     return replicas + trainer_specs(cfg)
 
 
 def node_chunks(spec: RoleSpec) -> list[tuple[float, float]]:
     """(GPUs, CPUs) the placement group needs on each node it spans."""
     per_node = len(spec.bundles) // spec.nodes
-    return [(sum(b.get("GPU", 0) for b in part), sum(b.get("CPU", 0) for b in part))
-            for part in (spec.bundles[i * per_node:(i + 1) * per_node] for i in range(spec.nodes))]
+    return [
+        (sum(b.get("GPU", 0) for b in part), sum(b.get("CPU", 0) for b in part))
+        for part in (spec.bundles[i * per_node : (i + 1) * per_node] for i in range(spec.nodes))
+    ]
 
 
 def _fits(chunks: list[float], capacity: list[float], max_states: int = 200_000) -> bool:
@@ -152,7 +159,7 @@ def _fits(chunks: list[float], capacity: list[float], max_states: int = 200_000)
         for f in sorted(set(free), reverse=True):
             if f >= chunks[i]:
                 k = free.index(f)
-                if place(i + 1, tuple(sorted(free[:k] + (f - chunks[i],) + free[k + 1:], reverse=True))):
+                if place(i + 1, tuple(sorted(free[:k] + (f - chunks[i],) + free[k + 1 :], reverse=True))):
                     return True
         return False
 
@@ -178,7 +185,9 @@ def check_topology(cfg: JobConfig, nodes: list[dict]) -> None:
     biggest = max((g for g, _ in chunks), default=0)
     if biggest and (not gpus or gpus[0] < biggest):
         what = next(s for s in specs if any(g == biggest for g, _ in node_chunks(s)))
-        raise PlacementError(f"{what.label} needs {biggest:g} GPUs on one node; the largest node has {gpus[0] if gpus else 0:g}")
+        raise PlacementError(
+            f"{what.label} needs {biggest:g} GPUs on one node; the largest node has {gpus[0] if gpus else 0:g}"
+        )
     gpu_chunks = [g for g, _ in chunks if g]
     if gpu_chunks and not _fits(gpu_chunks, gpus):
         # How many more nodes like the largest would make it fit: what an operator adds.
@@ -187,10 +196,14 @@ def check_topology(cfg: JobConfig, nodes: list[dict]) -> None:
             missing += 1
         raise PlacementError(
             f"topology needs {need_gpu:g} GPUs in per-node shares {sorted(gpu_chunks, reverse=True)}, the cluster has "
-            f"{sum(gpus):g} GPUs on {len(gpus)} node(s) ({', '.join(f'{x:g}' for x in gpus[:8])}{'...' if len(gpus) > 8 else ''}): "
-            f"missing {missing} node(s) of {gpus[0]:g} GPUs, {max(0.0, need_gpu - sum(gpus)):g} GPU(s)")
+            f"{sum(gpus):g} GPUs on {len(gpus)} node(s) "
+            f"({', '.join(f'{x:g}' for x in gpus[:8])}{'...' if len(gpus) > 8 else ''}): "
+            f"missing {missing} node(s) of {gpus[0]:g} GPUs, {max(0.0, need_gpu - sum(gpus)):g} GPU(s)"
+        )
     if need_cpu > cpus:
-        raise PlacementError(f"topology needs {need_cpu:g} CPUs, the cluster has {cpus:g} (missing {need_cpu - cpus:g} CPU)")
+        raise PlacementError(
+            f"topology needs {need_cpu:g} CPUs, the cluster has {cpus:g} (missing {need_cpu - cpus:g} CPU)"
+        )
 
 
 def sort_bundles_by_node(bundle_nodes: list[str]) -> list[int]:

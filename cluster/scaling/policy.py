@@ -141,9 +141,16 @@ def spread_ranks(groups: list[GroupState], replicas: list[int], total: int) -> l
 
 
 class ScalingPolicy:
-    def __init__(self, scale_up_delay_s: float = 30.0, scale_down_delay_s: float = 60.0, cooldown_s: float = 60.0,
-                 starving_wait_fraction: float = 0.3, min_gain: float = 0.03, gpus_per_replica: int = 8,
-                 smoothing: float = 0.3) -> None:
+    def __init__(
+        self,
+        scale_up_delay_s: float = 30.0,
+        scale_down_delay_s: float = 60.0,
+        cooldown_s: float = 60.0,
+        starving_wait_fraction: float = 0.3,
+        min_gain: float = 0.03,
+        gpus_per_replica: int = 8,
+        smoothing: float = 0.3,
+    ) -> None:
         self.up_delay, self.down_delay, self.cooldown = scale_up_delay_s, scale_down_delay_s, cooldown_s
         self.starving, self.min_gain, self.gpus_per_replica = starving_wait_fraction, min_gain, gpus_per_replica
         # Rates are exponentially smoothed before planning (weight of the newest measurement):
@@ -183,8 +190,11 @@ class ScalingPolicy:
             # Commit to a plan and only switch when another is clearly better: re-planning from
             # noisy rates at every tick would chase near-equal optima back and forth.
             fresh = best_allocation(groups, total, self.gpus_per_replica)
-            feasible = self.plan is not None and set(self.plan) == {g.name for g in groups} and sum(
-                self.gpus_per_replica * r + d for r, d in self.plan.values()) <= total
+            feasible = (
+                self.plan is not None
+                and set(self.plan) == {g.name for g in groups}
+                and sum(self.gpus_per_replica * r + d for r, d in self.plan.values()) <= total
+            )
             if not feasible or value(fresh) > value(self.plan) * (1 + self.min_gain):
                 self.plan = fresh
             target = self.plan
@@ -193,31 +203,49 @@ class ScalingPolicy:
         worth = measured and planned > current * (1 + self.min_gain)
         out = []
         for g in groups:
-            inputs = {"replicas": g.replicas, "ranks": g.ranks, "per_replica_rate": g.per_replica_rate,
-                      "per_rank_rate": g.per_rank_rate, "data_wait_fraction": round(g.data_wait_fraction, 3),
-                      "queue_samples": g.queue_samples, "queue_bytes": g.queue_bytes, "paused": g.producers_paused,
-                      "free_gpus": free_gpus, "throughput_now": round(current, 4), "throughput_target": round(planned, 4)}
+            inputs = {
+                "replicas": g.replicas,
+                "ranks": g.ranks,
+                "per_replica_rate": g.per_replica_rate,
+                "per_rank_rate": g.per_rank_rate,
+                "data_wait_fraction": round(g.data_wait_fraction, 3),
+                "queue_samples": g.queue_samples,
+                "queue_bytes": g.queue_bytes,
+                "paused": g.producers_paused,
+                "free_gpus": free_gpus,
+                "throughput_now": round(current, 4),
+                "throughput_target": round(planned, 4),
+            }
             # The direct signals always count; the measured plan adds moves that pay and vetoes
             # moves against it (e.g. no replica added to a group the plan wants smaller).
             starving = g.data_wait_fraction > self.starving and g.queue_samples <= 1
-            flooded = (g.producers_paused or g.queue_bytes > g.high_watermark_bytes) and g.data_wait_fraction < 0.05 \
+            flooded = (
+                (g.producers_paused or g.queue_bytes > g.high_watermark_bytes)
+                and g.data_wait_fraction < 0.05
                 and g.trainer_running
+            )
             reason_up = f"trainer starving: waits {g.data_wait_fraction:.0%} of the time, queue {g.queue_samples}"
             reason_down = "queue above the high watermark with producers idle"
             want_r, want_d = target.get(g.name, (g.replicas, g.ranks))
             up, down = starving and want_r >= g.replicas, flooded and want_r <= g.replicas
             if target and worth and want_r != g.replicas:
                 up, down = want_r > g.replicas, want_r < g.replicas
-                reason_up = reason_down = (f"balance: {g.replicas}->{want_r} replicas, {g.ranks}->{want_d} ranks "
-                                           f"(+{planned / max(current, 1e-12) - 1:.0%} throughput)")
+                reason_up = reason_down = (
+                    f"balance: {g.replicas}->{want_r} replicas, {g.ranks}->{want_d} ranks "
+                    f"(+{planned / max(current, 1e-12) - 1:.0%} throughput)"
+                )
             go_up = self._persisted((g.name, "up"), now, self.up_delay, up)
             go_down = self._persisted((g.name, "down"), now, self.down_delay, down)
             if go_down and g.replicas > g.min_replicas:
                 action = Decision(g.name, "remove_replica", reason_down, inputs=inputs)
             elif go_up and g.replicas < g.max_replicas:
                 if free_gpus < self.gpus_per_replica:
-                    action = Decision(g.name, "wait_resources",
-                                      f"{reason_up}; needs {self.gpus_per_replica} free GPUs, the cluster has {free_gpus}", inputs=inputs)
+                    action = Decision(
+                        g.name,
+                        "wait_resources",
+                        f"{reason_up}; needs {self.gpus_per_replica} free GPUs, the cluster has {free_gpus}",
+                        inputs=inputs,
+                    )
                 else:
                     action = Decision(g.name, "add_replica", reason_up, inputs=inputs)
             else:
@@ -233,14 +261,19 @@ class ScalingPolicy:
         if action.action not in ("add_replica", "remove_replica", "resize_trainer"):
             return action
         last_t, last_dir = self.last_action.get(action.group, (-1e18, ""))
-        grows = action.action == "add_replica" or (action.action == "resize_trainer" and action.target_ranks > action.inputs["ranks"])
+        grows = action.action == "add_replica" or (
+            action.action == "resize_trainer" and action.target_ranks > action.inputs["ranks"]
+        )
         direction = "up" if grows else "down"
         if direction != last_dir and now - last_t < self.cooldown:
-            return Decision(action.group, "none", f"cooldown ({direction} right after {last_dir})", inputs=action.inputs)
+            return Decision(
+                action.group, "none", f"cooldown ({direction} right after {last_dir})", inputs=action.inputs
+            )
         return action
 
-    def _world_resize(self, groups: list[GroupState], target: dict, out: list[Decision], free_gpus: int,
-                      now: float) -> list[Decision]:
+    def _world_resize(
+        self, groups: list[GroupState], target: dict, out: list[Decision], free_gpus: int, now: float
+    ) -> list[Decision]:
         """The trainer world changes size as one decision (one restart at the next checkpoint):
         a resize_trainer for every group whose ranks change, all in the same round. A shrink goes
         first (it frees the GPUs that the plan's new replicas wait for); a growth waits until no
@@ -260,10 +293,19 @@ class ScalingPolicy:
             want, inputs = changes[d.group], d.inputs
             reason = f"balance: trainer {now_ranks[d.group]}->{want} ranks at the next checkpoint"
             if grow and free_gpus < sum(changes.values()) - sum(now_ranks[k] for k in changes):
-                resized.append(Decision(d.group, "wait_resources", f"{reason}; needs GPUs, {free_gpus} free",
-                                        target_ranks=want, inputs=inputs))
+                resized.append(
+                    Decision(
+                        d.group,
+                        "wait_resources",
+                        f"{reason}; needs GPUs, {free_gpus} free",
+                        target_ranks=want,
+                        inputs=inputs,
+                    )
+                )
             else:
-                resized.append(self._cooldown(Decision(d.group, "resize_trainer", reason, target_ranks=want, inputs=inputs), now))
+                resized.append(
+                    self._cooldown(Decision(d.group, "resize_trainer", reason, target_ranks=want, inputs=inputs), now)
+                )
         if any(d.action == "none" and d.group in changes for d in resized):  # one group in its cooldown holds the world
             return out
         return resized

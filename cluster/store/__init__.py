@@ -7,14 +7,38 @@ puts a replica's hidden states into the store is the inference room's
 (`cluster.inference.hidden_states_connector`): the store room imports no other room.
 """
 
-from cluster.store.client import (HiddenStateStore, SampleMissing, StoreConfig, StoreError, StoreFull,
-                                  StoreUnavailable, probe, put_with_retry)
+from cluster.store.client import (
+    HiddenStateStore,
+    SampleMissing,
+    StoreConfig,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+    probe,
+    put_with_retry,
+)
 from cluster.store.master import MooncakeMaster
 from cluster.store.node_store import NodeStore
 from cluster.store.process import SupervisedProcess, free_port, mooncake_binary
 from cluster.store.services import StoreServices
 from cluster.store.wire import SampleRef, sample_from_buffer, sample_parts
 
-__all__ = ["HiddenStateStore", "MooncakeMaster", "NodeStore", "SampleMissing", "SampleRef", "StoreConfig", "StoreError",
-           "StoreFull", "StoreServices", "StoreUnavailable", "SupervisedProcess", "free_port", "mooncake_binary", "probe",
-           "put_with_retry", "sample_from_buffer", "sample_parts"]
+__all__ = [
+    "HiddenStateStore",
+    "MooncakeMaster",
+    "NodeStore",
+    "SampleMissing",
+    "SampleRef",
+    "StoreConfig",
+    "StoreError",
+    "StoreFull",
+    "StoreServices",
+    "StoreUnavailable",
+    "SupervisedProcess",
+    "free_port",
+    "mooncake_binary",
+    "probe",
+    "put_with_retry",
+    "sample_from_buffer",
+    "sample_parts",
+]

@@ -43,11 +43,25 @@ from dspark.samples import CorruptSampleError, Sample
 os.environ.setdefault("MC_STORE_MEMCPY", "0")
 
 ERROR_NAMES = {
-    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE (segment full)", -300: "INVALID_VERSION", -400: "INVALID_KEY",
-    -500: "WRITE_FAIL", -600: "INVALID_PARAMS (value larger than the client's local buffer?)", -601: "ILLEGAL_CLIENT",
-    -700: "INVALID_WRITE", -701: "INVALID_READ", -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
-    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT", -1700: "TENANT_QUOTA_EXCEEDED",
+    -1: "INTERNAL_ERROR",
+    -200: "NO_AVAILABLE_HANDLE (segment full)",
+    -300: "INVALID_VERSION",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS (value larger than the client's local buffer?)",
+    -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+    -1700: "TENANT_QUOTA_EXCEEDED",
 }
 RPC_FAILURES = {-900, -901}
 # Worth a retry: no room yet, or a transfer to a segment whose owner just went away.
@@ -72,7 +86,9 @@ class SampleMissing(StoreError):
     """The key is not in the store (never written, removed, or lost with a restarted master)."""
 
 
-def put_with_retry(store: "HiddenStateStore", key: str, sample: Sample, timeout_s: float, stopping=lambda: False) -> tuple["SampleRef", int]:
+def put_with_retry(
+    store: HiddenStateStore, key: str, sample: Sample, timeout_s: float, stopping=lambda: False
+) -> tuple[SampleRef, int]:
     """Backpressure and transient faults are waits, never drops: retry until `timeout_s`.
     Returns the ref and how many times it had to wait."""
     waits, last = 0, None
@@ -87,8 +103,13 @@ def put_with_retry(store: "HiddenStateStore", key: str, sample: Sample, timeout_
             waits, last = waits + 1, e
             return None
 
-    ref = wait_until(put, timeout_s=timeout_s, interval_s=lambda n: min(0.02 * n, 0.2), what=f"a put of {key}",
-                     on_timeout=lambda: last)
+    ref = wait_until(
+        put,
+        timeout_s=timeout_s,
+        interval_s=lambda n: min(0.02 * n, 0.2),
+        what=f"a put of {key}",
+        on_timeout=lambda: last,
+    )
     return ref, waits
 
 
@@ -139,8 +160,10 @@ class StoreConfig:
 
         node = ray.get_runtime_context().get_node_id()
         if node not in self.node_clients:
-            raise StoreUnavailable(f"no store daemon (mooncake_client) on node {node[:12]}; the job starts one on "
-                                   f"every node it places work on: {sorted(self.node_clients)}")
+            raise StoreUnavailable(
+                f"no store daemon (mooncake_client) on node {node[:12]}; the job starts one on "
+                f"every node it places work on: {sorted(self.node_clients)}"
+            )
         return self.node_clients[node]
 
     def to_dict(self) -> dict:
@@ -155,7 +178,7 @@ class _Attachment:
     its buffers for fresh ones: the old ones stay marked as registered in that table, and the
     new daemon would refuse them (−600)."""
 
-    _all: dict[str, "_Attachment"] = {}
+    _all: dict[str, _Attachment] = {}
     _guard = threading.Lock()
 
     def __init__(self, address: str) -> None:
@@ -177,9 +200,16 @@ class _Attachment:
                     return client
             return None
 
-        return wait_until(attached, timeout_s=timeout, interval_s=0.2, what=f"the store daemon {self.address}",
-                          on_timeout=lambda: StoreUnavailable(f"attaching to the store daemon {self.address} failed"
-                                                              + (f" with {rc}" if rc is not None else ": it does not answer")))
+        return wait_until(
+            attached,
+            timeout_s=timeout,
+            interval_s=0.2,
+            what=f"the store daemon {self.address}",
+            on_timeout=lambda: StoreUnavailable(
+                f"attaching to the store daemon {self.address} failed"
+                + (f" with {rc}" if rc is not None else ": it does not answer")
+            ),
+        )
 
     def renew(self, broken, timeout: float = 60.0) -> None:
         """Replace `broken` (unless another store already did)."""
@@ -190,7 +220,7 @@ class _Attachment:
                 self.client = self._setup(timeout)
 
     @classmethod
-    def acquire(cls, address: str) -> "_Attachment":
+    def acquire(cls, address: str) -> _Attachment:
         with cls._guard:
             att = cls._all.get(address) or cls(address)
             cls._all[address] = att
@@ -220,7 +250,7 @@ class HiddenStateStore:
         self._lock = threading.RLock()
 
     # ---- connection ---------------------------------------------------------------------
-    def connect(self, timeout: float = 30.0) -> "HiddenStateStore":
+    def connect(self, timeout: float = 30.0) -> HiddenStateStore:
         """Probe the master (or the node's daemon), then set up; raises StoreUnavailable
         instead of hanging."""
         from mooncake.store import MooncakeDistributedStore
@@ -228,16 +258,28 @@ class HiddenStateStore:
         cfg = self.config
         self.node_client = cfg.resolve_node_client()
         target, what = (self.node_client, "store daemon") if self.node_client else (cfg.master, "mooncake master")
-        wait_until(lambda: probe(target), timeout_s=timeout, interval_s=0.2, what=f"{what} {target}",
-                   on_timeout=lambda: StoreUnavailable(f"{what} {target} does not answer (waited {timeout:.0f}s)"))
+        wait_until(
+            lambda: probe(target),
+            timeout_s=timeout,
+            interval_s=0.2,
+            what=f"{what} {target}",
+            on_timeout=lambda: StoreUnavailable(f"{what} {target} does not answer (waited {timeout:.0f}s)"),
+        )
         if self.node_client:
             self._attachment = _Attachment.acquire(self.node_client)
             self._client, self._lock = self._attachment.client, self._attachment.lock
             return self
         with self._lock:
             client = MooncakeDistributedStore()
-            rc = client.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,
-                              cfg.protocol, cfg.rdma_devices, cfg.master)
+            rc = client.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.segment_bytes,
+                cfg.buffer_bytes,
+                cfg.protocol,
+                cfg.rdma_devices,
+                cfg.master,
+            )
             if rc != 0:
                 raise StoreUnavailable(f"mooncake setup against {target} failed with {rc}")
             self._client = client
@@ -276,7 +318,6 @@ class HiddenStateStore:
             # Another store of this process renewed the shared client: our buffers died with it.
             self._client, self._read_buf, self._staging = self._attachment.client, None, None
         return self._client
-
 
     def _call(self, fn):
         """Run `fn(client)`; after a failure that a restart explains, renew the client once and
@@ -379,7 +420,6 @@ class HiddenStateStore:
                 out.append(sample_from_buffer(r, buf[o : o + r.nbytes], copy=copy, key=self.key))  # ids, mask: copies
             return out
 
-
     def remove(self, key: str) -> bool:
         """True if removed, False if it was not there.
 
@@ -395,4 +435,3 @@ class HiddenStateStore:
         rc = self._call(lambda c: c.is_exist(key))
         raise_for("is_exist", rc, key)
         return rc == 1
-

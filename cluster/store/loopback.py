@@ -49,8 +49,12 @@ def shim_path() -> Path | None:
             fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
             os.close(fd)
             try:
-                r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SOURCE), "-ldl"],
-                                   capture_output=True, text=True, timeout=120)
+                r = subprocess.run(
+                    [cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SOURCE), "-ldl"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 why = "" if r.returncode == 0 else f"{cc} failed: {r.stderr.strip()[-300:]}"
             except (OSError, subprocess.TimeoutExpired) as e:
                 why = f"{cc} could not run: {e}"
@@ -60,9 +64,12 @@ def shim_path() -> Path | None:
             os.unlink(tmp)
         if not _warned:
             _warned = True
-            log.warning("Mooncake's transfer engine will listen on every interface, without authentication (%s): "
-                        "install a C compiler (e.g. apt-get install gcc) so that one-node runs keep it on loopback; "
-                        "the samples' MAC still refuses a changed sample", why)
+            log.warning(
+                "Mooncake's transfer engine will listen on every interface, without authentication (%s): "
+                "install a C compiler (e.g. apt-get install gcc) so that one-node runs keep it on loopback; "
+                "the samples' MAC still refuses a changed sample",
+                why,
+            )
         return None
 
 

@@ -22,9 +22,17 @@ class MooncakeMaster(SupervisedProcess):
 
     name = "mooncake_master"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, log_dir: str | None = None,
-                 watch_interval_s: float = 0.5, extra_args: list[str] | None = None,
-                 segment_bytes: int = 0, protocol: str = "tcp", rdma_devices: str = "") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_dir: str | None = None,
+        watch_interval_s: float = 0.5,
+        extra_args: list[str] | None = None,
+        segment_bytes: int = 0,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+    ) -> None:
         super().__init__(host, port, log_dir, watch_interval_s)
         self.metrics_port = free_port(host, avoid=(self.port,))  # (the RPC port may not be bound yet)
         self.extra_args = list(extra_args or [])
@@ -37,9 +45,16 @@ class MooncakeMaster(SupervisedProcess):
         # memory is 90% used, and an evicted sample is silently gone until a reader misses it.
         # With eviction off a full store refuses puts (-200), which producers treat as
         # backpressure, and the ledger's watermarks keep it from filling in the first place.
-        return [mooncake_binary("mooncake_master"), f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-                f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
-                "--eviction_ratio=0", "--eviction_high_watermark_ratio=1.0", *self.extra_args]
+        return [
+            mooncake_binary("mooncake_master"),
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            "--eviction_ratio=0",
+            "--eviction_high_watermark_ratio=1.0",
+            *self.extra_args,
+        ]
 
     def info(self) -> dict:
         return {**super().info(), "metrics": f"http://{self.host}:{self.metrics_port}/metrics"}
@@ -55,7 +70,10 @@ class MooncakeMaster(SupervisedProcess):
             lines = r.read().decode().splitlines()
         values = dict(line.split(" ", 1) for line in lines if line and not line.startswith("#") and " " in line)
         try:
-            return {"keys": int(float(values["master_key_count"])), "allocated_bytes": int(float(values["master_allocated_bytes"]))}
+            return {
+                "keys": int(float(values["master_key_count"])),
+                "allocated_bytes": int(float(values["master_allocated_bytes"])),
+            }
         except KeyError as e:
             raise RuntimeError(f"mooncake_master's metrics at {metrics} have no {e}: its metric names changed") from e
 
@@ -66,9 +84,16 @@ class MooncakeMaster(SupervisedProcess):
 
         if self._holder is not None:
             self._holder.close()
-        self._holder = HiddenStateStore(StoreConfig(
-            master=self.address, local_hostname=self.advertise_host, protocol=self.protocol, rdma_devices=self.rdma_devices,
-            segment_bytes=self.segment_bytes, buffer_bytes=16 << 20)).connect()
+        self._holder = HiddenStateStore(
+            StoreConfig(
+                master=self.address,
+                local_hostname=self.advertise_host,
+                protocol=self.protocol,
+                rdma_devices=self.rdma_devices,
+                segment_bytes=self.segment_bytes,
+                buffer_bytes=16 << 20,
+            )
+        ).connect()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -25,19 +25,37 @@ from cluster.store.process import SupervisedProcess, mooncake_binary
 class NodeStore(SupervisedProcess):
     name = "mooncake_client"
 
-    def __init__(self, master: str, segment_bytes: int, host: str = "127.0.0.1", port: int = 0,
-                 protocol: str = "tcp", rdma_devices: str = "", buffer_bytes: int = 64 << 20, threads: int = 2,
-                 log_dir: str | None = None, watch_interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        master: str,
+        segment_bytes: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        buffer_bytes: int = 64 << 20,
+        threads: int = 2,
+        log_dir: str | None = None,
+        watch_interval_s: float = 0.5,
+    ) -> None:
         super().__init__(host, port, log_dir, watch_interval_s)
         self.master, self.segment_bytes, self.buffer_bytes = master, segment_bytes, buffer_bytes
         self.protocol, self.rdma_devices, self.threads = protocol, rdma_devices, threads
         self.launch()
 
     def command(self) -> list[str]:
-        return [mooncake_binary("mooncake_client"), f"--host={self.advertise_host}", f"--port={self.port}",
-                f"--global_segment_size={self.segment_bytes}", f"--local_buffer_size={self.buffer_bytes}",
-                f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
-                f"--protocol={self.protocol}", f"--device_names={self.rdma_devices}", f"--threads={self.threads}"]
+        return [
+            mooncake_binary("mooncake_client"),
+            f"--host={self.advertise_host}",
+            f"--port={self.port}",
+            f"--global_segment_size={self.segment_bytes}",
+            f"--local_buffer_size={self.buffer_bytes}",
+            f"--master_server_address={self.master}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--protocol={self.protocol}",
+            f"--device_names={self.rdma_devices}",
+            f"--threads={self.threads}",
+        ]
 
     def environment(self) -> dict:
         # Moving bytes between its memory and its attached clients' shared buffers is a copy

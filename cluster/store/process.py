@@ -124,10 +124,20 @@ class SupervisedProcess:
 
     def info(self) -> dict:
         failure = self.failure
-        if failure is None and self._watcher is not None and not self._watcher.is_alive() and not self._stopping.is_set():
+        if (
+            failure is None
+            and self._watcher is not None
+            and not self._watcher.is_alive()
+            and not self._stopping.is_set()
+        ):
             failure = f"{self.name}'s watcher ended without a cause"  # (it catches everything: a bug)
-        return {"address": self.address, "generation": self.generation, "restarts": self.restarts, "alive": self.alive(),
-                "failure": failure}
+        return {
+            "address": self.address,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "alive": self.alive(),
+            "failure": failure,
+        }
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -141,8 +151,15 @@ class SupervisedProcess:
             if self.log_dir:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 log = open(self.log_dir / f"{self.name}.{self.generation + 1}.log", "ab")
-            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
-                                          start_new_session=True, preexec_fn=_die_with_parent)
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
             def answering() -> bool:
                 if probe(self.address, 0.5):
                     return True
@@ -150,8 +167,13 @@ class SupervisedProcess:
                     raise RuntimeError(f"{self.name} exited with {self._proc.returncode} at start")
                 return False
 
-            wait_until(answering, timeout_s=timeout, interval_s=0.1, what=f"{self.name} on {self.address}",
-                       on_timeout=lambda: TimeoutError(f"{self.name} did not answer on {self.address} within {timeout}s"))
+            wait_until(
+                answering,
+                timeout_s=timeout,
+                interval_s=0.1,
+                what=f"{self.name} on {self.address}",
+                on_timeout=lambda: TimeoutError(f"{self.name} did not answer on {self.address} within {timeout}s"),
+            )
             self.generation += 1
             self.after_start()
 
@@ -170,10 +192,12 @@ class SupervisedProcess:
             return True
         code = self._proc.returncode if self._proc is not None else None
         if not self.restart_budget.spend():
-            self.failure = (f"{self.name} on {self.address} exited {self.restart_budget.recent() + 1} times within "
-                            f"{self.restart_budget.window_s:g} s (last exit code {code}"
-                            + (f"; last start error: {self.last_start_error}" if self.last_start_error else "")
-                            + f"; its logs: {self.log_dir}): not restarted again")
+            self.failure = (
+                f"{self.name} on {self.address} exited {self.restart_budget.recent() + 1} times within "
+                f"{self.restart_budget.window_s:g} s (last exit code {code}"
+                + (f"; last start error: {self.last_start_error}" if self.last_start_error else "")
+                + f"; its logs: {self.log_dir}): not restarted again"
+            )
             return False
         self.restarts += 1
         # backoff: the k-th restart within the window waits 2^(k-1) s (at most MAX_BACKOFF_S)

@@ -22,8 +22,8 @@ import time
 
 from cluster.config import TransportConfig
 from cluster.errors import cause_of
-from cluster.store.process import free_port
 from cluster.store.client import StoreConfig
+from cluster.store.process import free_port
 
 log = logging.getLogger("dspark.services")
 CHECK_INTERVAL_S = 2.0  # how often `check` asks the actors whether they are alive
@@ -72,11 +72,24 @@ class StoreServices:
         from cluster.store.master import MooncakeMaster
 
         t = self.t
-        actor = self.ray.remote(num_cpus=0)(MooncakeMaster).options(
-            name=f"mooncake-master-{self.run_name}-{self.replaced}", max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(t.master_host, port, self.log_dir, segment_bytes=t.segment_mb << 20 if t.segment_host == "master" else 0,
-                 protocol=t.protocol, rdma_devices=t.rdma_devices)
+        actor = (
+            self.ray.remote(num_cpus=0)(MooncakeMaster)
+            .options(
+                name=f"mooncake-master-{self.run_name}-{self.replaced}",
+                max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    self.ray.get_runtime_context().get_node_id(), soft=False
+                ),
+            )
+            .remote(
+                t.master_host,
+                port,
+                self.log_dir,
+                segment_bytes=t.segment_mb << 20 if t.segment_host == "master" else 0,
+                protocol=t.protocol,
+                rdma_devices=t.rdma_devices,
+            )
+        )
         info = self.ray.get(actor.info.remote(), timeout=timeout_s)
         self.master_address, self._generation = info["address"], self.master_generations + info["generation"]
         return actor
@@ -87,11 +100,23 @@ class StoreServices:
         from cluster.store.node_store import NodeStore
 
         t = self.t
-        actor = self.ray.remote(num_cpus=0)(NodeStore).options(
-            name=f"mooncake-store-{self.run_name}-{node[:12]}-{self.replaced}", max_concurrency=2,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.master_address, t.segment_mb << 20, host="127.0.0.1" if t.master_host.startswith("127.") else "0.0.0.0",
-                 port=port, protocol=t.protocol, rdma_devices=t.rdma_devices, log_dir=self.log_dir)
+        actor = (
+            self.ray.remote(num_cpus=0)(NodeStore)
+            .options(
+                name=f"mooncake-store-{self.run_name}-{node[:12]}-{self.replaced}",
+                max_concurrency=2,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(
+                self.master_address,
+                t.segment_mb << 20,
+                host="127.0.0.1" if t.master_host.startswith("127.") else "0.0.0.0",
+                port=port,
+                protocol=t.protocol,
+                rdma_devices=t.rdma_devices,
+                log_dir=self.log_dir,
+            )
+        )
         return actor, self.ray.get(actor.info.remote(), timeout=timeout_s)["address"]
 
     def ensure_node_stores(self, placements, timeout_s: float = 120.0) -> None:
@@ -102,7 +127,9 @@ class StoreServices:
         with self._lock:
             for node in sorted({n for p in placements for n in p.bundle_nodes} - set(self.node_stores)):
                 self.node_stores[node] = self._start_daemon(node, 0, timeout_s)
-                log.info("store daemon for node %s at %s (%d MiB)", node[:12], self.node_stores[node][1], self.t.segment_mb)
+                log.info(
+                    "store daemon for node %s at %s (%d MiB)", node[:12], self.node_stores[node][1], self.t.segment_mb
+                )
 
     def store_config(self) -> StoreConfig:
         """What every store user (replica, connector, trainer rank) is given: the master, the
@@ -111,9 +138,15 @@ class StoreServices:
         with self._lock:
             clients = {node: address for node, (_, address) in self.node_stores.items()}
         host = self.ray.util.get_node_ip_address() if t.protocol == "rdma" else "127.0.0.1"
-        return StoreConfig(master=self.master_address, local_hostname=host, protocol=t.protocol,
-                           rdma_devices=t.rdma_devices, buffer_bytes=t.buffer_mb << 20, node_clients=clients,
-                           sample_key=self.sample_key)
+        return StoreConfig(
+            master=self.master_address,
+            local_hostname=host,
+            protocol=t.protocol,
+            rdma_devices=t.rdma_devices,
+            buffer_bytes=t.buffer_mb << 20,
+            node_clients=clients,
+            sample_key=self.sample_key,
+        )
 
     # ---- supervision ------------------------------------------------------------------------
     def check(self, force: bool = False) -> int:
@@ -142,14 +175,18 @@ class StoreServices:
                     self._replace(f"the store daemon's actor of node {node[:12]}", e)
                     self.ray.kill(actor)
                     port = int(address.rsplit(":", 1)[1])
-                    self.node_stores[node] = self._retry(lambda: self._start_daemon(node, port, 120.0))
+                    self.node_stores[node] = self._retry(
+                        lambda node=node, port=port: self._start_daemon(node, port, 120.0)
+                    )
         return self._generation
 
     def _replace(self, what: str, error: Exception) -> None:
         cause = cause_of(error, 300)
         if self.replaced >= self.t.max_service_restarts:
-            raise ServiceFailure(f"{what} died; {self.replaced} store service actors were replaced already "
-                                 f"(transport.max_service_restarts={self.t.max_service_restarts}): {cause}")
+            raise ServiceFailure(
+                f"{what} died; {self.replaced} store service actors were replaced already "
+                f"(transport.max_service_restarts={self.t.max_service_restarts}): {cause}"
+            )
         self.replaced += 1
         self.events.append(f"{what} died ({cause}); replaced at the same address")
         log.warning("%s", self.events[-1])

@@ -24,6 +24,7 @@ from dspark.samples import CorruptSampleError, Sample
 ALIGN = 64
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
+
 def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -63,24 +64,32 @@ class SampleRef:
         """The JSON form a saved ledger state keeps (`ledger.json` in a checkpoint); the ref
         itself is what travels through Ray. Field by field (`asdict` deep-copies: a checkpoint
         writes one per stored entry)."""
-        return {"key": self.key, "num_tokens": self.num_tokens, "layer_ids": list(self.layer_ids),
-                "hidden_size": self.hidden_size, "dtype": self.dtype}
+        return {
+            "key": self.key,
+            "num_tokens": self.num_tokens,
+            "layer_ids": list(self.layer_ids),
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SampleRef":
+    def from_dict(cls, d: dict) -> SampleRef:
         """From `to_dict()` output, ignoring extra fields (a checkpoint written before refs
         travelled typed kept a file backend's `path` beside them)."""
-        return cls(d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16"))
+        return cls(
+            d["key"], int(d["num_tokens"]), tuple(d["layer_ids"]), int(d["hidden_size"]), d.get("dtype", "bfloat16")
+        )
 
     @classmethod
-    def for_sample(cls, key: str, sample: Sample) -> "SampleRef":
+    def for_sample(cls, key: str, sample: Sample) -> SampleRef:
         dtype = next(k for k, v in DTYPES.items() if v == sample.hidden_states.dtype)
         return cls(key, sample.num_tokens, tuple(sample.layer_ids), int(sample.hidden_states.shape[-1]), dtype)
 
     def header_fields(self) -> bytes:
         """The header up to the MAC: what the MAC also covers."""
-        return _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], 0, self.num_tokens, len(self.layer_ids),
-                            self.hidden_size, b"")[:-16]
+        return _HEADER.pack(
+            MAGIC, VERSION, DTYPE_CODES[self.dtype], 0, self.num_tokens, len(self.layer_ids), self.hidden_size, b""
+        )[:-16]
 
     def mac_input(self) -> bytes:
         """What the MAC covers besides the sections: the header fields and the store key
@@ -93,7 +102,9 @@ def sample_mac(key: bytes, fields: bytes, sections: list) -> bytes:
     """Keyed BLAKE2b (16 bytes) of `fields` (`SampleRef.mac_input`) and the sections (byte views),
     a digest per piece of PIECE bytes (computed in threads: hashlib releases the GIL) then one over
     them all."""
-    pieces = [memoryview(v).cast("B")[i:i + PIECE] for v in sections for i in range(0, max(memoryview(v).nbytes, 1), PIECE)]
+    pieces = [
+        memoryview(v).cast("B")[i : i + PIECE] for v in sections for i in range(0, max(memoryview(v).nbytes, 1), PIECE)
+    ]
 
     def digest(b) -> bytes:
         return hashlib.blake2b(b, key=key, digest_size=16).digest()
@@ -126,7 +137,7 @@ def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, ke
     dtype, shapes) and its MAC under `key` (which covers `ref.key`: a sample stored under another
     key is refused); CorruptSampleError names the key and what differs.
     Without `copy` the hidden states view `buf`: copy them before reusing it."""
-    magic, version, dtype, _, tokens, layers, hidden, mac = _HEADER.unpack(buf[:_HEADER.size].numpy().tobytes())
+    magic, version, dtype, _, tokens, layers, hidden, mac = _HEADER.unpack(buf[: _HEADER.size].numpy().tobytes())
     if magic != MAGIC or version != VERSION:
         raise CorruptSampleError(f"{ref.key}: not a sample of this format (header {magic!r} v{version})")
     found = (next((n for n, c in DTYPE_CODES.items() if c == dtype), f"code {dtype}"), tokens, layers, hidden)
@@ -136,12 +147,18 @@ def sample_from_buffer(ref: SampleRef, buf: torch.Tensor, copy: bool = False, ke
     h_n, i_n, m_n = ref.sections
     o_ids = HEADER + aligned(h_n)
     o_mask = o_ids + aligned(i_n)
-    sections = [buf[HEADER:HEADER + h_n].numpy(), buf[o_ids:o_ids + i_n].numpy(), buf[o_mask:o_mask + m_n].numpy()]
+    sections = [
+        buf[HEADER : HEADER + h_n].numpy(),
+        buf[o_ids : o_ids + i_n].numpy(),
+        buf[o_mask : o_mask + m_n].numpy(),
+    ]
     if not hmac.compare_digest(mac, sample_mac(key, ref.mac_input(), sections)):
-        raise CorruptSampleError(f"{ref.key}: its bytes do not match their MAC (changed in the store, written "
-                                 "under another job's key, or stored under another key)")
+        raise CorruptSampleError(
+            f"{ref.key}: its bytes do not match their MAC (changed in the store, written "
+            "under another job's key, or stored under another key)"
+        )
     t = ref.num_tokens
-    hidden_states = buf[HEADER:HEADER + h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
-    ids = buf[o_ids:o_ids + i_n].view(torch.int32).long()
-    mask = buf[o_mask:o_mask + m_n].bool()
+    hidden_states = buf[HEADER : HEADER + h_n].view(DTYPES[ref.dtype]).view(t, len(ref.layer_ids), ref.hidden_size)
+    ids = buf[o_ids : o_ids + i_n].view(torch.int32).long()
+    mask = buf[o_mask : o_mask + m_n].bool()
     return Sample(ids, mask, hidden_states.clone() if copy else hidden_states, list(ref.layer_ids))

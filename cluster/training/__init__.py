@@ -7,11 +7,28 @@ budget (`budget`, pure: clock injected) and the checkpoint directory (`checkpoin
 
 from cluster.training.budget import EpochPlanner, Plan
 from cluster.training.checkpoints import CheckpointDir
-from cluster.training.trainer_gang import TrainerFailure, TrainerGang
-from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, load_checkpoints_without_code,
-                                         vocab_mapping_from)
+from cluster.training.rank_setup import (
+    TrainerSettings,
+    deepspeed_config,
+    drafter_config,
+    load_checkpoints_without_code,
+    vocab_mapping_from,
+)
 from cluster.training.step_result import StepResult
+from cluster.training.trainer_gang import TrainerFailure, TrainerGang
 from cluster.training.trainer_rank import TrainerRank
 
-__all__ = ["CheckpointDir", "EpochPlanner", "Plan", "StepResult", "TrainerFailure", "TrainerGang", "TrainerRank", "TrainerSettings",
-           "deepspeed_config", "drafter_config", "load_checkpoints_without_code", "vocab_mapping_from"]
+__all__ = [
+    "CheckpointDir",
+    "EpochPlanner",
+    "Plan",
+    "StepResult",
+    "TrainerFailure",
+    "TrainerGang",
+    "TrainerRank",
+    "TrainerSettings",
+    "deepspeed_config",
+    "drafter_config",
+    "load_checkpoints_without_code",
+    "vocab_mapping_from",
+]

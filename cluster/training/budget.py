@@ -44,8 +44,14 @@ class Plan:
 
 
 class EpochPlanner:
-    def __init__(self, deadline: float = math.inf, window: int = 10, slack: float = 0.05, band: float = 0.05,
-                 clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        deadline: float = math.inf,
+        window: int = 10,
+        slack: float = 0.05,
+        band: float = 0.05,
+        clock=time.monotonic,
+    ) -> None:
         """`deadline`: the clock's time by which training ends (inf: no budget, the planner only
         measures the LR horizon); `window`: the steps the pace is measured over (a checkpoint
         interval at least, so that checkpoints count at their share); `slack`: the fraction of
@@ -92,7 +98,9 @@ class EpochPlanner:
         median = statistics.median(times)
         return sum(times) / len(times), 1.4826 * statistics.median(abs(t - median) for t in times)
 
-    def plan(self, remaining_per_epoch: list[int], first_open_epoch: int, horizon_epochs: int | None = None) -> Plan | None:
+    def plan(
+        self, remaining_per_epoch: list[int], first_open_epoch: int, horizon_epochs: int | None = None
+    ) -> Plan | None:
         """None until the pace is measured. `remaining_per_epoch[e]`: epoch e's samples not yet
         trained; `first_open_epoch`: the lowest epoch from which on none has begun;
         `horizon_epochs`: the epochs the LR horizon was last planned for (kept while the
@@ -125,5 +133,10 @@ class EpochPlanner:
         held = keep if horizon_epochs is None else min(max(horizon_epochs, begun), len(remaining_per_epoch))
         if drop or not fitting(usable * (1 - self.band)) <= held <= fitting(usable * (1 + self.band)):
             held = keep
-        return Plan(epochs=keep, horizon_epochs=held, horizon=step + math.ceil(sum(remaining_per_epoch[:held]) / per_step),
-                    samples_per_s=rate, drop=drop)
+        return Plan(
+            epochs=keep,
+            horizon_epochs=held,
+            horizon=step + math.ceil(sum(remaining_per_epoch[:held]) / per_step),
+            samples_per_s=rate,
+            drop=drop,
+        )

@@ -31,7 +31,9 @@ class CheckpointDir:
     def steps(self) -> list[Path]:
         """The written checkpoints, oldest first: `step-NNNNNN` folders with their meta.json (a
         folder of another name, `step-foo` or a copy, is not one of them and is left alone)."""
-        done = [p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / "meta.json").exists()]
+        done = [
+            p for p in self.root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / "meta.json").exists()
+        ]
         return sorted(done, key=step_of)
 
     def latest(self) -> Path | None:
@@ -107,8 +109,11 @@ def digest(path: Path) -> str:
 def file_digests(root: Path) -> dict[str, dict]:
     """Every file of a checkpoint being written, by path relative to it, with its size and
     SHA-256 (but `meta.json`, which lists them)."""
-    return {str(f.relative_to(root)): {"bytes": f.stat().st_size, "sha256": digest(f)} for f in sorted(root.rglob("*"))
-            if f.is_file() and f != root / "meta.json"}
+    return {
+        str(f.relative_to(root)): {"bytes": f.stat().st_size, "sha256": digest(f)}
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and f != root / "meta.json"
+    }
 
 
 def damaged_file(root: Path, written: dict[str, dict | int], contents: bool = False) -> str | None:
@@ -163,8 +168,16 @@ def make_universal(trainer_dir: Path) -> None:
         # inject_missing_state: the conversion asks for Megatron's tensor/pipeline-parallel
         # metadata, which a data-parallel-only checkpoint does not have (nothing to merge);
         # one worker: no process pool inside the rank's actor.
-        ds_to_universal(Namespace(input_folder=str(trainer_dir / "ds"), output_folder=str(tmp / "ds"),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                  strict=True, inject_missing_state=True))
+        ds_to_universal(
+            Namespace(
+                input_folder=str(trainer_dir / "ds"),
+                output_folder=str(tmp / "ds"),
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
+        )
         (tmp / "latest_universal").write_text("ds")
         os.replace(tmp, dest)

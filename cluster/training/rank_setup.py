@@ -75,7 +75,7 @@ def rendezvous(one_node: bool, stale: str | None = None) -> str:
 def leave_rendezvous(init_method: str | None) -> None:
     """Remove a one-node world's rendezvous directory (nothing to do for TCP, or where it is gone)."""
     if init_method and init_method.startswith("file://"):
-        d = Path(init_method[len("file://"):]).parent
+        d = Path(init_method[len("file://") :]).parent
         if d.name.startswith(RENDEZVOUS_PREFIX):
             shutil.rmtree(d, ignore_errors=True)
 
@@ -96,10 +96,11 @@ def join_world(init_method: str, rank: int, world_size: int, backend: str) -> No
         # The TCP rendezvous's address, also for whatever reads the environment; DeepSpeed's CPU
         # shared-memory allreduce names its segments after them (used only with LOCAL_SIZE set,
         # which the job does not set: a file rendezvous needs neither).
-        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        host, port = init_method[len("tcp://") :].rsplit(":", 1)
         os.environ.update(MASTER_ADDR=host.strip("[]"), MASTER_PORT=port)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=init_method,
-                               rank=rank, world_size=world_size)
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, init_method=init_method, rank=rank, world_size=world_size
+    )
 
 
 def deepspeed_config(t: TrainerConfig, world_size: int, load_universal: bool = False) -> dict:
@@ -134,17 +135,24 @@ def drafter_config(s: TrainerSettings, model_init: dict):
     dspark = d.mode == "dspark"
     tok = AutoTokenizer.from_pretrained(s.target_path, trust_remote_code=s.trust_remote_code)
     return DSparkConfig.from_target(
-        s.target_path, trust_remote_code=s.trust_remote_code, chat_format=s.chat.record(tok),
-        mode=d.mode, num_layers=d.num_layers, block_size=d.block_size,
-        markov_rank=d.markov_rank if dspark else 0, markov_head_type=d.markov_head_type,
+        s.target_path,
+        trust_remote_code=s.trust_remote_code,
+        chat_format=s.chat.record(tok),
+        mode=d.mode,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        markov_rank=d.markov_rank if dspark else 0,
+        markov_head_type=d.markov_head_type,
         enable_confidence_head=d.enable_confidence_head if dspark else False,
-        draft_vocab_size=d.draft_vocab_size, aux_layer_ids=s.aux_layer_ids,
+        draft_vocab_size=d.draft_vocab_size,
+        aux_layer_ids=s.aux_layer_ids,
         **({"mask_token_id": d.mask_token_id} if d.mask_token_id is not None else {}),
     )
 
 
-def vocab_mapping_from(samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int,
-                       always: list[int]) -> dict:
+def vocab_mapping_from(
+    samples_tokens: list[tuple[torch.Tensor, torch.Tensor]], vocab_size: int, draft_vocab_size: int, always: list[int]
+) -> dict:
     from dspark.vocab import build_vocab_mapping, token_frequencies
 
     d2t, t2d = build_vocab_mapping(token_frequencies(samples_tokens, vocab_size), draft_vocab_size, always)

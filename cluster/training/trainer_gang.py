@@ -53,8 +53,9 @@ class TrainerGang:
         try:
             return self.ray.get(refs, timeout=self.timeout)
         except self.ray.exceptions.GetTimeoutError:
-            raise TrainerFailure(f"trainer ranks did not finish {what} within {self.timeout:.0f}s "
-                                 f"(trainer.call_timeout_s)") from None
+            raise TrainerFailure(
+                f"trainer ranks did not finish {what} within {self.timeout:.0f}s (trainer.call_timeout_s)"
+            ) from None
         except self.ray.exceptions.RayActorError as e:
             raise TrainerFailure(f"a trainer rank died during {what}: {cause_of(e)}") from None
         except self.ray.exceptions.RayTaskError as e:
@@ -90,12 +91,15 @@ class TrainerGang:
         self.rank_groups = [p.spec.group for p, _ in slots]
         self.one_node = len({p.bundle_nodes[b] for p, b in slots}) == 1  # (a bundle pins its actor to its node)
         self.ranks = [
-            self.ray.remote(TrainerRank).options(
-                num_cpus=p.spec.bundles[b].get("CPU", 1), num_gpus=p.spec.bundles[b].get("GPU", 0),
+            self.ray.remote(TrainerRank)
+            .options(
+                num_cpus=p.spec.bundles[b].get("CPU", 1),
+                num_gpus=p.spec.bundles[b].get("GPU", 0),
                 name=f"{self.run_name}-rank{r}.{self.generation}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(p.pg, placement_group_bundle_index=b),
                 runtime_env={"env_vars": self.env} if self.env else None,
-            ).remote(r, world, p.spec.group, self.settings)
+            )
+            .remote(r, world, p.spec.group, self.settings)
             for r, (p, b) in enumerate(slots)
         ]
         self.threads = self.settings.trainer.torch_threads
@@ -120,8 +124,13 @@ class TrainerGang:
         trainer_dir = str(resume / "trainer") if resume else None
         init = self.init_method
         out = self._on_all(lambda r: r.setup.remote(init, model_init, trainer_dir, resized), "setup")
-        log.info("trainer world: %d ranks %s, %d trainable parameters, step %d", self.size, self.layout(),
-                 out[0]["params"], out[0]["step"])
+        log.info(
+            "trainer world: %d ranks %s, %d trainable parameters, step %d",
+            self.size,
+            self.layout(),
+            out[0]["params"],
+            out[0]["step"],
+        )
         return out[0]["step"]
 
     def stop(self) -> None:
@@ -166,8 +175,9 @@ class TrainerGang:
         rngs = self._on_all(lambda r: r.anchor_rng.remote(), "anchor_rng")
         self._on_all(lambda r: r.save.remote(str(tmp), step, rngs), f"saving the checkpoint of step {step}")
         meta = {**meta, "time": time.time(), "world_size": self.size, "layout": self.layout()}
-        self._on_rank0(lambda r: r.finalize_checkpoint.remote(str(tmp), str(dest), ledger_state, meta),
-                       "finalize_checkpoint")
+        self._on_rank0(
+            lambda r: r.finalize_checkpoint.remote(str(tmp), str(dest), ledger_state, meta), "finalize_checkpoint"
+        )
         return dest
 
     def _gather_full_weights(self) -> None:

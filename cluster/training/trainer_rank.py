@@ -21,9 +21,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.training.checkpoints import file_digests, make_universal, publish
+from cluster.training.rank_setup import (
+    TrainerSettings,
+    deepspeed_config,
+    drafter_config,
+    join_world,
+    leave_rendezvous,
+    load_checkpoints_without_code,
+    rendezvous,
+    vocab_mapping_from,
+)
 from cluster.training.step_result import StepResult
-from cluster.training.rank_setup import (TrainerSettings, deepspeed_config, drafter_config, join_world, leave_rendezvous,
-                                         load_checkpoints_without_code, rendezvous, vocab_mapping_from)
 
 if TYPE_CHECKING:
     from cluster.data import LeasedSample
@@ -31,6 +39,7 @@ if TYPE_CHECKING:
 # A key the store would not remove is tried again this many times, after 0.5, 1, 1.5 s: a daemon
 # being replaced answers again within seconds; past that the key is named, not fatal.
 REMOVE_TRIES, REMOVE_PAUSE_S = 4, 0.5
+
 
 class TrainerRank:
     def __init__(self, rank: int, world_size: int, group: str, settings: TrainerSettings) -> None:
@@ -81,7 +90,9 @@ class TrainerRank:
                 break
             time.sleep(REMOVE_PAUSE_S * (attempt + 1))
         for k, e in failed.items():
-            print(f"[dspark] sample {k} stays in the store after {REMOVE_TRIES} tries: {e}", file=sys.stderr, flush=True)
+            print(
+                f"[dspark] sample {k} stays in the store after {REMOVE_TRIES} tries: {e}", file=sys.stderr, flush=True
+            )
         return removed
 
     def vocab_mapping(self, rows: list[LeasedSample], prompt_texts: list[str] = ()) -> dict:
@@ -158,8 +169,14 @@ class TrainerRank:
             model.init_from_target_layers(self.s.target_path)
         if model.use_draft_vocab:
             model.set_vocab_mapping(torch.tensor(model_init["d2t"]), torch.tensor(model_init["t2d"]))
-        optim = OptimConfig(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                            total_steps=self.s.total_steps, min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip)
+        optim = OptimConfig(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=self.s.total_steps,
+            min_lr_ratio=t.min_lr_ratio,
+            grad_clip=t.grad_clip,
+        )
         opt, sched = build_optimizer(model, optim)
         if t.zero_stage == 3:
             # ZeRO-3 gathers a module's own weights around its forward only. The drafter's forward
@@ -168,12 +185,17 @@ class TrainerRank:
             for weight in {id(w): w for w in (model.draft_head_weight, model.verifier_lm_head.weight)}.values():
                 deepspeed.zero.register_external_parameter(model, weight)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(t, self.world_size, universal),
+            model=model,
+            optimizer=opt,
+            lr_scheduler=sched,
+            config=deepspeed_config(t, self.world_size, universal),
         )
         self.model = model
         self.full_copy = None  # ZeRO-3, rank 0: the drafter with full weights (`gather_full_weights`)
         self.objective = DrafterObjective(
-            model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors,
+            model,
+            LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay),
+            d.num_anchors,
             seed=t.seed + 1000 * self.rank,
             autocast_dtype=torch.bfloat16 if t.precision == "bf16-mixed" else None,
             cache_normalizers=True,  # a sample's later epochs then skip the full-vocabulary target head
@@ -202,7 +224,11 @@ class TrainerRank:
             saved = client["anchor_rng"]
             if self.rank < len(saved):  # a rank added by a resize keeps its fresh seed
                 self.objective.generator.set_state(saved[self.rank])
-        return {"step": step, "rank": self.rank, "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        return {
+            "step": step,
+            "rank": self.rank,
+            "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        }
 
     def universal_checkpoint(self, trainer_dir: str) -> str:
         """Collective: the universal form of the DeepSpeed checkpoint in `trainer_dir` (written by
@@ -255,7 +281,9 @@ class TrainerRank:
         if samples and not bad:
             # bf16-mixed too: the stored states are bf16 already, autocast takes them as they are
             dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
-            self.batch = self.objective.pack(samples, device=self.engine.device, dtype=dtype, keys=[r.key for r in refs])
+            self.batch = self.objective.pack(
+                samples, device=self.engine.device, dtype=dtype, keys=[r.key for r in refs]
+            )
             self.batch_rows = rows
         return bad
 
@@ -304,12 +332,17 @@ class TrainerRank:
         if self.s.testing.trainer_throttle_s:  # (tests: a slower trainer)
             time.sleep(self.s.testing.trainer_throttle_s)
         result = StepResult(
-            step=step, rank=self.rank, skipped=skipped, nonfinite=nonfinite,
+            step=step,
+            rank=self.rank,
+            skipped=skipped,
+            nonfinite=nonfinite,
             tokens=self.batch.num_tokens if self.batch is not None and not skipped else 0,
-            step_s=time.perf_counter() - t0, lr=self.scheduler.get_last_lr()[0] if self.scheduler else None,
+            step_s=time.perf_counter() - t0,
+            lr=self.scheduler.get_last_lr()[0] if self.scheduler else None,
             batch=[r.uid for r in self.batch_rows],
             trained=[] if skipped else list(self.batch_rows),
-            figures=metrics)
+            figures=metrics,
+        )
         self.batch, self.batch_rows = None, []
         return result
 
@@ -331,8 +364,12 @@ class TrainerRank:
         length = cfg.block_size + 2  # room for one anchor whose block is whole
         layers = self.model.config.extract_layer_ids
         dtype = torch.float32 if self.s.trainer.precision == "fp32" else torch.bfloat16
-        placeholder = Sample(torch.zeros(length, dtype=torch.long), torch.ones(length, dtype=torch.bool),
-                             torch.zeros(length, len(layers), cfg.hidden_size, dtype=torch.bfloat16), list(layers))
+        placeholder = Sample(
+            torch.zeros(length, dtype=torch.long),
+            torch.ones(length, dtype=torch.bool),
+            torch.zeros(length, len(layers), cfg.hidden_size, dtype=torch.bfloat16),
+            list(layers),
+        )
         batch = self.objective.pack([placeholder], device=self.engine.device, dtype=dtype)
         loss, _ = self.objective(batch, module=self.engine, share_counts=count_nothing)
         return loss * 0.0
@@ -359,7 +396,11 @@ class TrainerRank:
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None):
-            state = {k: v.detach().clone() for k, v in self.model.trainable_state_dict().items()} if self.rank == 0 else None
+            state = (
+                {k: v.detach().clone() for k, v in self.model.trainable_state_dict().items()}
+                if self.rank == 0
+                else None
+            )
         if self.rank == 0:
             if self.full_copy is None:
                 # The frozen target weights are read from the target, as loading a checkpoint does;
@@ -380,9 +421,12 @@ class TrainerRank:
 
     def save(self, tmp_dir: str, step: int, anchor_rngs: list) -> None:
         """Collective: every rank writes its DeepSpeed shard under `tmp_dir/trainer`."""
-        self.engine.save_checkpoint(str(Path(tmp_dir) / "trainer"), tag="ds",
-                                    client_state={"step": step, "anchor_rng": anchor_rngs},
-                                    exclude_frozen_parameters=True)
+        self.engine.save_checkpoint(
+            str(Path(tmp_dir) / "trainer"),
+            tag="ds",
+            client_state={"step": step, "anchor_rng": anchor_rngs},
+            exclude_frozen_parameters=True,
+        )
         self.gather_full_weights()  # for the drafter that rank 0 adds (`finalize_checkpoint`)
 
     def anchor_rng(self):
@@ -416,7 +460,9 @@ class TrainerRank:
         from dspark.training import calibrate_confidence
 
         def batches(of):
-            return [self.objective.pack([s]).to(dtype=torch.float32) for s in self.store.get_samples([r.ref for r in of])]
+            return [
+                self.objective.pack([s]).to(dtype=torch.float32) for s in self.store.get_samples([r.ref for r in of])
+            ]
 
         model = self.full_drafter()
         model.float()

@@ -22,8 +22,17 @@ BUDGET_S = 64
 def test_a_time_budget_drops_the_epochs_it_cannot_train(ray_cluster, smol_target, replay_dir, tmp_path):
     # 8 epochs of ~14 steps at ~0.7 s: over a minute of training, twice what the budget leaves
     # after the job's start-up
-    job = start_job(tmp_path, replay_dir, "budget", ["data.epochs=8", "testing.trainer_throttle_s=0.5",
-                                                     f"trainer.time_budget_s={BUDGET_S}", "trainer.checkpoint_interval=5"])
+    job = start_job(
+        tmp_path,
+        replay_dir,
+        "budget",
+        [
+            "data.epochs=8",
+            "testing.trainer_throttle_s=0.5",
+            f"trainer.time_budget_s={BUDGET_S}",
+            "trainer.checkpoint_interval=5",
+        ],
+    )
     result = job.run()
     kept = result["epochs"]["kept"]
     assert result["epochs"]["planned"] == 8 and 1 <= kept < 8, result["epochs"]

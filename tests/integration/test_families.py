@@ -47,9 +47,14 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = [
     {"id": "p0", "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]},
-    {"id": "p1", "messages": [{"role": "user", "content": "Suggest a name for a cat."},
-                              {"role": "assistant", "content": "How about Pepper?"},
-                              {"role": "user", "content": "Another one, please."}]},
+    {
+        "id": "p1",
+        "messages": [
+            {"role": "user", "content": "Suggest a name for a cat."},
+            {"role": "assistant", "content": "How about Pepper?"},
+            {"role": "user", "content": "Another one, please."},
+        ],
+    },
 ]
 MAX_TOKENS = 24
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
@@ -60,9 +65,15 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def extract_with_vllm(ray, target, layer_ids, out_dir, extract: bool):
-    settings = InferenceSettings(eager_target(target, dtype="float32", max_model_len=512), layer_ids, "fam/g0",
-                                 sampling=SamplingConfig(max_tokens=MAX_TOKENS), backend="file", file_dir=str(out_dir),
-                                 extract=extract)
+    settings = InferenceSettings(
+        eager_target(target, dtype="float32", max_model_len=512),
+        layer_ids,
+        "fam/g0",
+        sampling=SamplingConfig(max_tokens=MAX_TOKENS),
+        backend="file",
+        file_dir=str(out_dir),
+        extract=extract,
+    )
     actor = ray.remote(num_cpus=1)(InferenceActor).remote(settings)
     try:
         return ray.get(actor.process.remote(PROMPTS), timeout=300)
@@ -114,8 +125,10 @@ def check_family(name: str, ray, smol_target, tmp_path, monkeypatch) -> dict:
             for li, layer in enumerate(cfg.extract_layer_ids):
                 c = cosine(s.hidden_states[:, li], want[:, li])
                 assert c >= 0.999, (name, layer, c)
-            row["extraction_cosine_min"] = min(row.get("extraction_cosine_min", 1.0),
-                                               min(cosine(s.hidden_states[:, i], want[:, i]) for i in range(want.shape[1])))
+            row["extraction_cosine_min"] = min(
+                row.get("extraction_cosine_min", 1.0),
+                min(cosine(s.hidden_states[:, i], want[:, i]) for i in range(want.shape[1])),
+            )
         else:  # transformers-captured states, as the offline path writes them
             tokens = torch.tensor(ids + r.response_ids[:-1])
             mask = torch.arange(len(tokens)) >= len(ids)

@@ -26,12 +26,29 @@ N = 40  # prompts; 2 epochs (greedy answers reused) = 80 samples
 
 def replay_job(tmp_path, replay_dir, name: str) -> list[str]:
     """The job's settings for these tests: the replay backend, a small drafter, 40 prompts."""
-    return [f"run_name={name}", f"output_dir={tmp_path}", "inference.backend=replay", f"inference.replay_dir={replay_dir}",
-            "inference.replay_samples_per_s=20", "inference.prompt_batch=4", "drafter.draft_vocab_size=null",
-            "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=600", "trainer.checkpoint_interval=3",
-            f"data.max_prompts={N}", "data.epochs=2", "data.eval_limit=1", "data.eval_max_new_tokens=8",
-            "logging.wandb_mode=disabled", "logging.progress_interval_s=5", "transport.segment_mb=256",
-            "inference.restart_backoff_s=0.02", "data.max_prompts_per_category=null", *REPLAY_JOB_PINS]
+    return [
+        f"run_name={name}",
+        f"output_dir={tmp_path}",
+        "inference.backend=replay",
+        f"inference.replay_dir={replay_dir}",
+        "inference.replay_samples_per_s=20",
+        "inference.prompt_batch=4",
+        "drafter.draft_vocab_size=null",
+        "drafter.num_anchors=4",
+        "drafter.markov_rank=16",
+        "trainer.batch_tokens=600",
+        "trainer.checkpoint_interval=3",
+        f"data.max_prompts={N}",
+        "data.epochs=2",
+        "data.eval_limit=1",
+        "data.eval_max_new_tokens=8",
+        "logging.wandb_mode=disabled",
+        "logging.progress_interval_s=5",
+        "transport.segment_mb=256",
+        "inference.restart_backoff_s=0.02",
+        "data.max_prompts_per_category=null",
+        *REPLAY_JOB_PINS,
+    ]
 
 
 def start_job(tmp_path, replay_dir, name: str, overrides: list[str]):
@@ -68,8 +85,9 @@ def run_with(job, faults: list[tuple], timeout_s: float = 400.0):
         result = job.run()
     finally:
         done.set()
-    assert len(fired) == len(faults) and not any(str(f).startswith("injection failed") for f in fired), \
+    assert len(fired) == len(faults) and not any(str(f).startswith("injection failed") for f in fired), (
         f"{len(fired)} of {len(faults)} faults were injected: {fired}"
+    )
     return result, fired
 
 
@@ -108,14 +126,24 @@ def test_fault_combined(ray_cluster, smol_target, replay_dir, tmp_path):
     the prompts of its batch go through; quarantined in both epochs); step 12's loss is NaN on
     rank 0 (the update is skipped on every rank, its samples retried). Five replica deaths: the
     default budget (inference.max_replica_restarts=5)."""
-    job = start_job(tmp_path, replay_dir, "combined", [
-        "testing.replay_hang_on=[dspark-0020]", "testing.replay_crash_on=[dspark-0030]",
-        "inference.generation_timeout_s=5", "testing.nonfinite_steps=[12]",
-        "data.max_failed_fraction=0.05"])
+    job = start_job(
+        tmp_path,
+        replay_dir,
+        "combined",
+        [
+            "testing.replay_hang_on=[dspark-0020]",
+            "testing.replay_crash_on=[dspark-0030]",
+            "inference.generation_timeout_s=5",
+            "testing.nonfinite_steps=[12]",
+            "data.max_failed_fraction=0.05",
+        ],
+    )
     hung_killed = lambda j: any("hung" in e for e in j.pools["g0"].events) and j.pools["g0"].replicas  # noqa: E731
     result, fired = run_with(job, [(hung_killed, kill_replica), (at_step(6), kill_rank)])
     events = result["events"] + result["groups"]["g0"]["events"]
-    assert any(e.startswith("trainer world restarted from step-00000") and "a trainer rank died" in e for e in events), events
+    assert any(
+        e.startswith("trainer world restarted from step-00000") and "a trainer rank died" in e for e in events
+    ), events
     assert any("hung: a prompt generating for" in e for e in events), events
     assert any(f"replica {fired[0]} died" in e for e in events), events
     assert any("step 12: non-finite loss on ranks [0]; update skipped" in e for e in events), events
@@ -135,8 +163,14 @@ def test_fault_driver_killed_and_resubmitted(ray_cluster, smol_target, replay_di
     from tests.helpers import kill_and_resubmit
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(root / "jobs" / "train_kimi_k3.py"), "--config", str(root / "configs" / "local.yaml"),
-           *replay_job(tmp_path, replay_dir, "resubmit"), "inference.replay_samples_per_s=10"]
+    cmd = [
+        sys.executable,
+        str(root / "jobs" / "train_kimi_k3.py"),
+        "--config",
+        str(root / "configs" / "local.yaml"),
+        *replay_job(tmp_path, replay_dir, "resubmit"),
+        "inference.replay_samples_per_s=10",
+    ]
     _, second = kill_and_resubmit(cmd, tmp_path / "resubmit", tmp_path / "first.log", 300, 600)
     assert second.returncode == 0, second.stdout[-3000:]
     result = json.loads((tmp_path / "resubmit" / "result.json").read_text())
@@ -145,8 +179,9 @@ def test_fault_driver_killed_and_resubmitted(ray_cluster, smol_target, replay_di
 
 
 @pytest.mark.slow
-def test_stop_mid_training_checkpoints_and_the_resubmitted_job_ends_exactly_once(ray_cluster, smol_target, replay_dir,
-                                                                                 tmp_path):
+def test_stop_mid_training_checkpoints_and_the_resubmitted_job_ends_exactly_once(
+    ray_cluster, smol_target, replay_dir, tmp_path
+):
     """SIGTERM to the driver's process group (what `ray job stop` sends) after its first
     checkpoint: the driver ends by itself with a checkpoint of what it trained and result.json
     saying `stopped` and how to resume; the same command again ends with every prompt trained
@@ -158,16 +193,23 @@ def test_stop_mid_training_checkpoints_and_the_resubmitted_job_ends_exactly_once
     from tests.helpers import kill_and_resubmit
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(root / "jobs" / "train_kimi_k3.py"), "--config", str(root / "configs" / "local.yaml"),
-           *replay_job(tmp_path, replay_dir, "stopped"), "inference.replay_samples_per_s=10"]
+    cmd = [
+        sys.executable,
+        str(root / "jobs" / "train_kimi_k3.py"),
+        "--config",
+        str(root / "configs" / "local.yaml"),
+        *replay_job(tmp_path, replay_dir, "stopped"),
+        "inference.replay_samples_per_s=10",
+    ]
     run_dir = tmp_path / "stopped"
     holder = {}
 
     def stopped_result():  # read between the runs: the second one overwrites result.json
         holder["result"] = json.loads((run_dir / "result.json").read_text())
 
-    killed_at, second = kill_and_resubmit(cmd, run_dir, tmp_path / "first.log", 300, 600, sig=signal.SIGTERM,
-                                          stop_wait_s=120, between=stopped_result)
+    killed_at, second = kill_and_resubmit(
+        cmd, run_dir, tmp_path / "first.log", 300, 600, sig=signal.SIGTERM, stop_wait_s=120, between=stopped_result
+    )
     first = holder["result"]
     assert first["status"] == "stopped" and "SIGTERM" in first["reason"], first
     assert first["checkpoint"].endswith(f"step-{first['steps']:06d}") and killed_at == first["steps"], first
@@ -239,7 +281,9 @@ def test_fault_trainer_rank_hung(ray_cluster, smol_target, replay_dir, tmp_path)
         return pid
 
     # (30 s: the deadline bounds every call, the ranks' set-up too, which takes ~12 s on a 2-core EPYC)
-    _, result, _, events = run_one(tmp_path, replay_dir, "hung-rank", ["trainer.call_timeout_s=30"], [(at_step(4), freeze_rank)])
+    _, result, _, events = run_one(
+        tmp_path, replay_dir, "hung-rank", ["trainer.call_timeout_s=30"], [(at_step(4), freeze_rank)]
+    )
     assert any("did not finish" in e and "trainer.call_timeout_s" in e for e in events), events
     assert_exactly_once(result)
 
@@ -248,10 +292,13 @@ def test_fault_trainer_rank_hung(ray_cluster, smol_target, replay_dir, tmp_path)
 def test_fault_replica_hung_in_start_up(ray_cluster, smol_target, replay_dir, tmp_path):
     """The first replica never finishes its constructor (an engine that hangs while it loads):
     after inference.start_timeout_s it is killed and replaced, and the job ends exactly-once."""
-    _, result, _, events = run_one(tmp_path, replay_dir, "hung-start", [
-        "testing.replay_start_hangs=1", "inference.start_timeout_s=5"], [])
-    assert any("g0-r0 died (hung in start-up: its engine had not started after" in e
-               and "inference.start_timeout_s=5" in e for e in events), events
+    _, result, _, events = run_one(
+        tmp_path, replay_dir, "hung-start", ["testing.replay_start_hangs=1", "inference.start_timeout_s=5"], []
+    )
+    assert any(
+        "g0-r0 died (hung in start-up: its engine had not started after" in e and "inference.start_timeout_s=5" in e
+        for e in events
+    ), events
     assert result["groups"]["g0"]["replicas"] == 1
     assert_exactly_once(result)
 
@@ -260,8 +307,9 @@ def test_fault_replica_hung_in_start_up(ray_cluster, smol_target, replay_dir, tm
 def test_fault_trainer_rank_killed_in_its_first_set_up(ray_cluster, smol_target, replay_dir, tmp_path):
     """Rank 0 killed as soon as the world exists (its first set-up, or before the first step):
     the world is restarted from scratch like any failed one, not the end of the job."""
-    job, result, _, events = run_one(tmp_path, replay_dir, "kill-rank-at-start", [],
-                                     [(lambda j: j.stats.step == 0, kill_rank)])
+    job, result, _, events = run_one(
+        tmp_path, replay_dir, "kill-rank-at-start", [], [(lambda j: j.stats.step == 0, kill_rank)]
+    )
     assert any(e.startswith("trainer world restarted from scratch") for e in events), events
     assert_exactly_once(result)
 
@@ -303,8 +351,9 @@ def test_fault_store_daemon_killed(ray_cluster, smol_target, replay_dir, tmp_pat
         return "mooncake_client"
 
     # A slower trainer, so that samples wait in the daemon when it dies.
-    _, result, _, events = run_one(tmp_path, replay_dir, "kill-daemon", ["testing.trainer_throttle_s=0.3"],
-                                   [(at_step(3), kill_daemon_process)])
+    _, result, _, events = run_one(
+        tmp_path, replay_dir, "kill-daemon", ["testing.trainer_throttle_s=0.3"], [(at_step(3), kill_daemon_process)]
+    )
     assert any("could not be read" in e for e in events), events  # what it held is regenerated
     assert_exactly_once(result)
 
@@ -318,16 +367,22 @@ def test_fault_store_daemon_actor_killed(ray_cluster, smol_target, replay_dir, t
         ray.kill(actor)
         return "daemon actor"
 
-    job, result, _, _ = run_one(tmp_path, replay_dir, "kill-daemon-actor", ["testing.trainer_throttle_s=0.3"],
-                                [(at_step(3), kill_daemon_actor)])
+    job, result, _, _ = run_one(
+        tmp_path, replay_dir, "kill-daemon-actor", ["testing.trainer_throttle_s=0.3"], [(at_step(3), kill_daemon_actor)]
+    )
     assert any("store daemon's actor" in e for e in job.services.events), job.services.events
     assert_exactly_once(result)
 
 
 @pytest.mark.slow
 def test_fault_hung_replica(ray_cluster, smol_target, replay_dir, tmp_path):
-    _, result, _, events = run_one(tmp_path, replay_dir, "hung-replica",
-                                   ["testing.replay_hang_on=[dspark-0020]", "inference.generation_timeout_s=5"], [])
+    _, result, _, events = run_one(
+        tmp_path,
+        replay_dir,
+        "hung-replica",
+        ["testing.replay_hang_on=[dspark-0020]", "inference.generation_timeout_s=5"],
+        [],
+    )
     assert any("hung: a prompt generating for" in e for e in events), events
     assert_exactly_once(result)
 
@@ -336,12 +391,22 @@ def test_fault_hung_replica(ray_cluster, smol_target, replay_dir, tmp_path):
 def test_fault_poison_prompt(ray_cluster, smol_target, replay_dir, tmp_path):
     # 3 epochs, the default restart budget (5 per group): the prompt kills the 3 replicas that
     # take it in epoch 0, then is quarantined in all three epochs (3 deaths, not 9)
-    _, result, _, events = run_one(tmp_path, replay_dir, "poison", [
-        "testing.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "data.epochs=3"], [])
+    _, result, _, events = run_one(
+        tmp_path,
+        replay_dir,
+        "poison",
+        ["testing.replay_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05", "data.epochs=3"],
+        [],
+    )
     assert sum("died" in e for e in events) == 3
     copies = ["dspark-0030@0", "dspark-0030@1", "dspark-0030@2"]
-    assert result["quarantined"] == {"dspark-0030": {"failed": "dspark-0030@0", "copies": copies,
-                                                     "cause": result["failed_examples"]["dspark-0030@0"][-1]}}
+    assert result["quarantined"] == {
+        "dspark-0030": {
+            "failed": "dspark-0030@0",
+            "copies": copies,
+            "cause": result["failed_examples"]["dspark-0030@0"][-1],
+        }
+    }
     assert_exactly_once(result, failed=copies, epochs=3)
 
 
@@ -350,8 +415,11 @@ def test_fault_poison_prompts_past_the_failure_budget_fail_the_job(ray_cluster, 
     from cluster.job import JobFailed
 
     job = start_job(tmp_path, replay_dir, "poison-budget", ["testing.replay_crash_on=[dspark-0030]"])
-    with pytest.raises(JobFailed, match=r"2 of 80 prompt x epochs failed \(2\.5% > data\.max_failed_fraction=0\.01\), "
-                                        r"e\.g\. dspark-0030@0: replica g0-r\d died while generating it"):
+    with pytest.raises(
+        JobFailed,
+        match=r"2 of 80 prompt x epochs failed \(2\.5% > data\.max_failed_fraction=0\.01\), "
+        r"e\.g\. dspark-0030@0: replica g0-r\d died while generating it",
+    ):
         job.run()
     assert (tmp_path / "poison-budget" / "result.json").exists()  # written before the job says no
 
@@ -360,8 +428,9 @@ def test_fault_poison_prompts_past_the_failure_budget_fail_the_job(ray_cluster, 
 def test_fault_full_store_without_eviction(ray_cluster, smol_target, replay_dir, tmp_path):
     # 16 MiB of store for batches of 16 samples of ~1.2 MB: the store fills, producers wait
     # (Mooncake's eviction is off: nothing is dropped), the trainer frees it by checkpointing.
-    _, result, _, events = run_one(tmp_path, replay_dir, "full-store", ["transport.segment_mb=16", "inference.prompt_batch=16"],
-                                   [])
+    _, result, _, events = run_one(
+        tmp_path, replay_dir, "full-store", ["transport.segment_mb=16", "inference.prompt_batch=16"], []
+    )
     assert not any("could not be read" in e for e in events), events
     log = (tmp_path / "full-store" / "logs" / "mooncake_master.1.log").read_text()
     assert "evicted_count" not in log
@@ -377,8 +446,9 @@ def test_fault_nonfinite_step(ray_cluster, smol_target, replay_dir, tmp_path):
 
 @pytest.mark.slow
 def test_fault_diverged_model_stops_the_job(ray_cluster, smol_target, replay_dir, tmp_path):
-    job = start_job(tmp_path, replay_dir, "diverged", ["testing.nonfinite_steps=[4,4,4,4]",
-                                                      "trainer.max_nonfinite_steps=3"])
+    job = start_job(
+        tmp_path, replay_dir, "diverged", ["testing.nonfinite_steps=[4,4,4,4]", "trainer.max_nonfinite_steps=3"]
+    )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"3 consecutive steps had a non-finite loss .* the drafter diverged"):
         job.run()

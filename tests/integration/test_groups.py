@@ -25,14 +25,34 @@ def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_ta
     # never ran dry: nothing borrowed). Producers pause at half their share, and requests
     # of 4 prompts keep a batch's overshoot far below Mooncake's eviction threshold (0.9 of the
     # segment, allocator overhead included).
-    cfg = load_config("configs/local_2groups.yaml", [
-        "run_name=two-groups", f"output_dir={tmp_path}", "inference.backend=replay", f"inference.replay_dir={replay_dir}",
-        "topology.groups.1.replay_samples_per_s=0.5", "transport.segment_mb=64", "transport.low_watermark=0.15",
-        "transport.high_watermark=0.5",
-        "inference.prompt_batch=4", "data.max_prompts=40", "data.epochs=1",
-        "drafter.draft_vocab_size=null", "drafter.num_anchors=4", "drafter.markov_rank=16", "trainer.batch_tokens=300",
-        "trainer.checkpoint_interval=4", "trainer.release_samples=after_step", "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled",
-        "logging.progress_interval_s=3", NO_CALIBRATION, *QUICK_EVAL])
+    cfg = load_config(
+        "configs/local_2groups.yaml",
+        [
+            "run_name=two-groups",
+            f"output_dir={tmp_path}",
+            "inference.backend=replay",
+            f"inference.replay_dir={replay_dir}",
+            "topology.groups.1.replay_samples_per_s=0.5",
+            "transport.segment_mb=64",
+            "transport.low_watermark=0.15",
+            "transport.high_watermark=0.5",
+            "inference.prompt_batch=4",
+            "data.max_prompts=40",
+            "data.epochs=1",
+            "drafter.draft_vocab_size=null",
+            "drafter.num_anchors=4",
+            "drafter.markov_rank=16",
+            "trainer.batch_tokens=300",
+            "trainer.checkpoint_interval=4",
+            "trainer.release_samples=after_step",
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=8",
+            "logging.wandb_mode=disabled",
+            "logging.progress_interval_s=3",
+            NO_CALIBRATION,
+            *QUICK_EVAL,
+        ],
+    )
     result = TrainingJob(cfg).run()
     proof = result["exactly_once"]
     assert proof["per_epoch"] == {"0": 40} and proof["failed"] == [] and result["world"] == {"g0": 1, "g1": 1}

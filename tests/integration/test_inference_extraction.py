@@ -28,11 +28,14 @@ FP8_KV_ON_THIS_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_
 PROMPTS = [
     {"id": "p0", "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]},
     {"id": "p1", "messages": [{"role": "user", "content": "What is 12 times 7?"}]},
-    {"id": "p2", "messages": [
-        {"role": "user", "content": "Suggest a name for a cat."},
-        {"role": "assistant", "content": "How about Pepper?"},
-        {"role": "user", "content": "Another one, please."},
-    ]},
+    {
+        "id": "p2",
+        "messages": [
+            {"role": "user", "content": "Suggest a name for a cat."},
+            {"role": "assistant", "content": "How about Pepper?"},
+            {"role": "user", "content": "Another one, please."},
+        ],
+    },
 ]
 
 
@@ -41,8 +44,13 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
     ray = ray_cluster
     holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=256 << 20)).connect()
     layer_ids = DSparkConfig.from_target(smol_target).extract_layer_ids
-    base = InferenceSettings(eager_target(smol_target, max_model_len=1024), layer_ids, "test/g0",
-                             sampling=SamplingConfig(max_tokens=40), store=StoreConfig(master=mooncake_master.address))
+    base = InferenceSettings(
+        eager_target(smol_target, max_model_len=1024),
+        layer_ids,
+        "test/g0",
+        sampling=SamplingConfig(max_tokens=40),
+        store=StoreConfig(master=mooncake_master.address),
+    )
     Actor = ray.remote(num_cpus=1)(InferenceActor)
     file_dir = tmp_path_factory.mktemp("hs_files")
     actors = {
@@ -53,8 +61,11 @@ def produced(ray_cluster, smol_target, mooncake_master, tmp_path_factory):
     if FP8_KV_ON_THIS_CPU:
         # The production config's fp8 KV cache (configs/kimi_k3.yaml): vLLM's cache-only layer
         # refuses a quantized cache dtype unless the capture model gives it the model's own.
-        actors["fp8_kv"] = Actor.remote(replace(base, backend="file", file_dir=str(file_dir / "fp8"),
-                                                   target=replace(base.target, kv_cache_dtype="fp8")))
+        actors["fp8_kv"] = Actor.remote(
+            replace(
+                base, backend="file", file_dir=str(file_dir / "fp8"), target=replace(base.target, kv_cache_dtype="fp8")
+            )
+        )
     out = {name: ray.get(a.process.remote(PROMPTS)) for name, a in actors.items()}
     stats = ray.get(actors["mooncake"].stats.remote())
     for a in actors.values():
@@ -80,7 +91,7 @@ def test_hidden_states_match_transformers(produced, smol_target):
         ref = r.ref
         s = holder.get_samples([ref])[0]
         assert s.num_tokens == r.prompt_tokens + len(r.response_ids) - 1  # the last token is never fed back
-        assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
+        assert s.token_ids[r.prompt_tokens :].tolist() == r.response_ids[:-1]
         ref_h = hidden_states_for(model, s.token_ids, layer_ids).float()
         got = s.hidden_states.float()
         for li in range(len(layer_ids)):
@@ -117,7 +128,7 @@ def test_fp8_kv_cache_still_captures_the_model_dtype_states(produced, smol_targe
         assert r.error is None and len(r.response_ids) > 1
         s = read_sample(r.path)
         assert s.hidden_states.dtype == torch.bfloat16 and s.hidden_states.shape[1] == len(layer_ids)
-        assert s.token_ids[r.prompt_tokens:].tolist() == r.response_ids[:-1]
+        assert s.token_ids[r.prompt_tokens :].tolist() == r.response_ids[:-1]
         agree.append(final_state_picks_the_answer(s, r.prompt_tokens, eps, heads))
     assert torch.cat(agree).float().mean() >= 0.9
 

@@ -21,10 +21,21 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 # Small, but trained enough to beat its untrained start: every category of the held-out prompts
 # seen (3 prompts each), 4 epochs of 512-token steps after a short warm-up.
-SMALL = ["data.epochs=4", "sampling.max_tokens=48", "trainer.checkpoint_interval=6", "data.eval_limit=3",
-         "data.eval_max_new_tokens=32", "logging.progress_interval_s=5", "transport.segment_mb=256",
-         "data.max_prompts_per_category=3", "trainer.batch_tokens=512", "trainer.warmup_steps=4",
-         "data.calibration_prompts=6", FIXED_PLAN, *QUICK_EVAL]  # (the end-to-end test turns both sets back on)
+SMALL = [
+    "data.epochs=4",
+    "sampling.max_tokens=48",
+    "trainer.checkpoint_interval=6",
+    "data.eval_limit=3",
+    "data.eval_max_new_tokens=32",
+    "logging.progress_interval_s=5",
+    "transport.segment_mb=256",
+    "data.max_prompts_per_category=3",
+    "trainer.batch_tokens=512",
+    "trainer.warmup_steps=4",
+    "data.calibration_prompts=6",
+    FIXED_PLAN,
+    *QUICK_EVAL,
+]  # (the end-to-end test turns both sets back on)
 
 
 def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:
@@ -42,7 +53,9 @@ def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:
         except OSError:
             text = ""
         # Ray exports application metrics with a `ray_` prefix.
-        lines = [ln for ln in text.splitlines() if ln.split("{")[0] in (metric, "ray_" + metric) and f'run="{run}"' in ln]
+        lines = [
+            ln for ln in text.splitlines() if ln.split("{")[0] in (metric, "ray_" + metric) and f'run="{run}"' in ln
+        ]
         if lines:
             return lines
         time.sleep(2)
@@ -54,14 +67,28 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
 
     long = tmp_path / "long.jsonl"  # a long-context set: one prompt under 512 tokens, one past it
     filler = " ".join(f"line {i}: nothing happened." for i in range(100))
-    long.write_text(json.dumps({"id": "lc0", "prompt": "Summarise: the cat sat.", "category": "doc"}) + "\n"
-                    + json.dumps({"id": "lc1", "prompt": filler + " Summarise the log above.", "category": "doc"}) + "\n")
-    cfg = load_config(ROOT / "configs" / "local.yaml", ["run_name=e2e", f"output_dir={tmp_path}", "data.max_prompts=24", *SMALL,
-                                                         "data.eval_temperature=0.7", "data.eval_sampled_limit=2",
-                                                         f"data.long_context_prompts={long}", "data.long_context_max_new_tokens=8",
-                                                         # both long prompts whatever the hour's pace: at 20 s a slow hour of
-                                                         # a 2-core AMD EPYC (Zen 4) left the second out for time (the fit: test_decoder_training)
-                                                         "data.long_context_budget_s=120"])
+    long.write_text(
+        json.dumps({"id": "lc0", "prompt": "Summarise: the cat sat.", "category": "doc"})
+        + "\n"
+        + json.dumps({"id": "lc1", "prompt": filler + " Summarise the log above.", "category": "doc"})
+        + "\n"
+    )
+    cfg = load_config(
+        ROOT / "configs" / "local.yaml",
+        [
+            "run_name=e2e",
+            f"output_dir={tmp_path}",
+            "data.max_prompts=24",
+            *SMALL,
+            "data.eval_temperature=0.7",
+            "data.eval_sampled_limit=2",
+            f"data.long_context_prompts={long}",
+            "data.long_context_max_new_tokens=8",
+            # both long prompts whatever the hour's pace: at 20 s a slow hour of
+            # a 2-core AMD EPYC (Zen 4) left the second out for time (the fit: test_decoder_training)
+            "data.long_context_budget_s=120",
+        ],
+    )
     result = TrainingJob(cfg).run()
     # The job's series, first: Ray drops a gauge ~25 s after it was last set (measured on Ray
     # 2.60), and the job set them last as it ended.
@@ -86,16 +113,34 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     untrained = tmp_path / "untrained"
     untrained_copy(result["drafter"], smol_target, untrained, cfg.drafter.init)
     before = tmp_path / "untrained.json"
-    assert evaluate.main(["--target", str(smol_target), "--drafter", str(untrained), "--prompts", str(tmp_path / "e2e" / "heldout.jsonl"),
-                          "--limit", str(cfg.data.eval_limit), "--max-new-tokens", str(cfg.data.eval_max_new_tokens),
-                          "--json", str(before)]) == 0
+    assert (
+        evaluate.main(
+            [
+                "--target",
+                str(smol_target),
+                "--drafter",
+                str(untrained),
+                "--prompts",
+                str(tmp_path / "e2e" / "heldout.jsonl"),
+                "--limit",
+                str(cfg.data.eval_limit),
+                "--max-new-tokens",
+                str(cfg.data.eval_max_new_tokens),
+                "--json",
+                str(before),
+            ]
+        )
+        == 0
+    )
     untrained_tau = json.loads(before.read_text())["tau"]
     assert ev["tau"] > untrained_tau, (ev["tau"], untrained_tau)  # (measured: 1.045 against 1.000)
     ood = result["evaluation_sets"]["ood"]  # the never-trained set of configs/local.yaml
     assert ood["lossless"] is True and ood["num_prompts"] == 3 and (run / "eval-ood.json").exists()
     # Figures per category, from the categories of the prompts the evaluation took (round-robin).
     evaluated = json.loads((run / "eval.json").read_text())["requests"]
-    assert sorted(ev["per_category"]) == sorted({r["category"] for r in evaluated}) and all(r["category"] for r in evaluated)
+    assert sorted(ev["per_category"]) == sorted({r["category"] for r in evaluated}) and all(
+        r["category"] for r in evaluated
+    )
     for cat, c in ev["per_category"].items():  # pooled from eval.json's own rows
         mine = [r for r in evaluated if r["category"] == cat]
         steps = sum(r["steps"] for r in mine)
@@ -103,17 +148,23 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     # Sampled with the served recipe: the first 2 of the evaluated prompts at temperature 0.7.
     sampled = result["evaluation_sampled"]
     assert sampled["settings"]["temperature"] == 0.7 and sampled["lossless"] is None
-    assert (sampled["settings"]["draft_sample_method"], sampled["settings"]["rejection_sample_method"]) == ("probabilistic", "block")
+    assert (sampled["settings"]["draft_sample_method"], sampled["settings"]["rejection_sample_method"]) == (
+        "probabilistic",
+        "block",
+    )
     sampled_rows = json.loads((run / "eval-sampled.json").read_text())["requests"]
     assert [r["id"] for r in sampled_rows] == [r["id"] for r in evaluated[:2]]
     steps = sum(r["steps"] for r in sampled_rows)
     assert sampled["tau"] == pytest.approx((steps + sum(r["accepted"] for r in sampled_rows)) / steps)
     # The long-context set, by context length: a bucket per prompt, pooled from its rows.
     lc_rows = json.loads((run / "eval-long_context.json").read_text())["requests"]
-    assert [r["id"] for r in lc_rows] == ["lc0", "lc1"] and lc_rows[0]["prompt_tokens"] < 512 <= lc_rows[1]["prompt_tokens"]
+    assert [r["id"] for r in lc_rows] == ["lc0", "lc1"] and lc_rows[0]["prompt_tokens"] < 512 <= lc_rows[1][
+        "prompt_tokens"
+    ]
     assert [(b["min_tokens"], b["num_prompts"], b["tau"]) for b in result["long_context"]["by_prompt_length"]] == [
         (0, 1, pytest.approx((lc_rows[0]["steps"] + lc_rows[0]["accepted"]) / lc_rows[0]["steps"])),
-        (512, 1, pytest.approx((lc_rows[1]["steps"] + lc_rows[1]["accepted"]) / lc_rows[1]["steps"]))]
+        (512, 1, pytest.approx((lc_rows[1]["steps"] + lc_rows[1]["accepted"]) / lc_rows[1]["steps"])),
+    ]
     # The confidence head, calibrated on 6 held-out prompts nobody trained on or evaluated, its
     # calibration error measured before and after on the 3 evaluated ones.
     calibration = result["calibration"]
@@ -131,7 +182,9 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     drawn = plot_data(history, {"held-out": ev, "ood": ood})
     measured = sorted(c for c, f in ev["per_category"].items() if f["tau"] is not None)
     assert drawn["tau_per_category"]["tau per category: held-out"]["tau"] == (
-        measured, [ev["per_category"][c]["tau"] for c in measured])
+        measured,
+        [ev["per_category"][c]["tau"] for c in measured],
+    )
     assert drawn["acceptance"]["acceptance per draft position"]["eval ood"][1] == ood["per_position_acceptance"]
     # The serving recipe and model card ship with the drafter.
     card = (Path(result["drafter"]) / "README.md").read_text()
@@ -149,9 +202,27 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     assert (run / "logs" / "mooncake_client.1.log").exists()
     # Served by vLLM itself (CPU: the backbone as `dflash`): lossless, and vLLM's τ is ours.
     served = tmp_path / "served.json"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_dflash_cpu.py"), "--target", str(smol_target),
-                          "--drafter", result["drafter"], "--prompts", str(run / "heldout.jsonl"), "--limit", "2",
-                          "--max-new-tokens", "24", "--json", str(served)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serve_dflash_cpu.py"),
+            "--target",
+            str(smol_target),
+            "--drafter",
+            result["drafter"],
+            "--prompts",
+            str(run / "heldout.jsonl"),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(served),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     s = json.loads(served.read_text())
     assert s["vllm_lossless"] is True and s["vllm"]["drafts"] > 0
@@ -162,8 +233,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     # by another path in vLLM, for the same engine settings and prompts.
     import ray
 
-    from cluster.inference import InferenceSettings
-    from cluster.inference import ServedEvalSettings, ServedEvaluator
+    from cluster.inference import InferenceSettings, ServedEvalSettings, ServedEvaluator
     from dspark.checkpoint import export_dflash_backbone, load_drafter
 
     backbone = export_dflash_backbone(load_drafter(result["drafter"], smol_target), tmp_path / "dflash")
@@ -183,9 +253,18 @@ def test_fault_driver_killed_and_resubmitted_with_vllm(ray_cluster, smol_target,
     with every prompt trained exactly once."""
     from tests.helpers import kill_and_resubmit
 
-    cmd = [sys.executable, str(ROOT / "jobs" / "train_kimi_k3.py"), "--config", str(ROOT / "configs" / "local.yaml"),
-           "run_name=resume", f"output_dir={tmp_path}", "data.max_prompts=48", *SMALL,
-           "data.max_prompts_per_category=null", "data.epochs=2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "jobs" / "train_kimi_k3.py"),
+        "--config",
+        str(ROOT / "configs" / "local.yaml"),
+        "run_name=resume",
+        f"output_dir={tmp_path}",
+        "data.max_prompts=48",
+        *SMALL,
+        "data.max_prompts_per_category=null",
+        "data.epochs=2",
+    ]
     killed_at, second = kill_and_resubmit(cmd, tmp_path / "resume", tmp_path / "first.log")
     assert second.returncode == 0, second.stdout[-3000:]
     result = json.loads((tmp_path / "resume" / "result.json").read_text())

@@ -22,9 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def plan(nodes: str, config: str = "kimi_k3.yaml") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / "train_kimi_k3.py"), "--config",
-                           str(ROOT / "configs" / config), "--plan", "--simulate", nodes],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "jobs" / "train_kimi_k3.py"),
+            "--config",
+            str(ROOT / "configs" / config),
+            "--plan",
+            "--simulate",
+            nodes,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def dspark_parameters(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, draft_vocab, aux, markov_rank):
@@ -37,8 +49,16 @@ def dspark_parameters(hidden, layers, heads, kv_heads, head_dim, mlp, vocab, dra
     draft head only when the draft vocabulary is reduced."""
     attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim
     layer = attn + 3 * hidden * mlp + 2 * hidden
-    trainable = (layers * layer + aux * hidden * hidden + 2 * hidden + vocab * markov_rank
-                 + markov_rank * draft_vocab + hidden + markov_rank + 1)
+    trainable = (
+        layers * layer
+        + aux * hidden * hidden
+        + 2 * hidden
+        + vocab * markov_rank
+        + markov_rank * draft_vocab
+        + hidden
+        + markov_rank
+        + 1
+    )
     frozen = 2 * vocab * hidden + hidden + (draft_vocab * hidden if draft_vocab < vocab else 0)
     return trainable, frozen
 
@@ -79,8 +99,18 @@ def test_production_placement_on_simulated_cluster():
     # one world; a group's replica puts 17,000 tok/s x 86,016 B = 1.46 GB/s into the store.
     text = out.stdout
     assert "6 x 7168 x 2 B (bfloat16) = 86,016 B per token" in text
-    trainable, frozen = dspark_parameters(hidden=7168, layers=5, heads=56, kv_heads=56, head_dim=128, mlp=18432,
-                                          vocab=163840, draft_vocab=163840, aux=5, markov_rank=256)
+    trainable, frozen = dspark_parameters(
+        hidden=7168,
+        layers=5,
+        heads=56,
+        kv_heads=56,
+        head_dim=128,
+        mlp=18432,
+        vocab=163840,
+        draft_vocab=163840,
+        aux=5,
+        markov_rank=256,
+    )
     assert f"{trainable:,} trainable parameters" in text and f"{frozen:,} frozen" in text, text[:3000]
     assert "ZeRO-2 over 16 ranks" in text
     assert text.count("= 17,000 tok/s = 1.46 GB/s into the store") == 4
@@ -103,14 +133,26 @@ def test_single_node_split_on_one_simulated_node():
     # MLP; 358.4 GiB (0.7 x 512 GiB) / 61,440 B = 6,263,494 tokens before the producers pause.
     text = out.stdout
     assert "6 x 5120 x 2 B (bfloat16) = 61,440 B per token" in text
-    trainable, frozen = dspark_parameters(hidden=5120, layers=3, heads=64, kv_heads=8, head_dim=128, mlp=25600,
-                                          vocab=151936, draft_vocab=151936, aux=5, markov_rank=256)
+    trainable, frozen = dspark_parameters(
+        hidden=5120,
+        layers=3,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        mlp=25600,
+        vocab=151936,
+        draft_vocab=151936,
+        aux=5,
+        markov_rank=256,
+    )
     assert f"{trainable:,} trainable parameters" in text and f"{frozen:,} frozen" in text, text[:3000]
     assert "ZeRO-2 over 4 ranks" in text
     assert "= 6,263,494 tokens" in text
 
 
-@pytest.mark.parametrize("config, name", [("kimi_k3.yaml", "moonshotai/Kimi-K3"), ("single_node_8gpu.yaml", "Qwen/Qwen3-32B")])
+@pytest.mark.parametrize(
+    "config, name", [("kimi_k3.yaml", "moonshotai/Kimi-K3"), ("single_node_8gpu.yaml", "Qwen/Qwen3-32B")]
+)
 def test_gpu_configs_name_the_checkpoint_they_plan_for(config, name):
     """The exported drafter names `target.name` as its verifier (never the local path), and --plan
     plans with `target.plan_config`, a copy of that checkpoint's config.json: a config must name

@@ -34,7 +34,11 @@ from tests.helpers import PERSONA_TEMPLATE, eager_target
 
 pytestmark = pytest.mark.integration
 
-PROMPT = {"id": "r0", "category": "chat", "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
+PROMPT = {
+    "id": "r0",
+    "category": "chat",
+    "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,9 @@ def test_remote_code_refused_without_trust(remote_target, marker):
 
 def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_path):
     ray = ray_cluster
-    cfg = load_config(ROOT / "configs" / "local.yaml", [f"target.path={remote_target}", "target.trust_remote_code=true"])
+    cfg = load_config(
+        ROOT / "configs" / "local.yaml", [f"target.path={remote_target}", "target.trust_remote_code=true"]
+    )
     facts = read_target(cfg)
     assert marker.exists() and type(facts.config).__name__ == "TinyRemoteConfig"
 
@@ -72,9 +78,15 @@ def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_p
     # vLLM runs the unknown architecture (Transformers backend) and extracts its states; the
     # replica renders the prompt with the configured chat format.
     chat = ChatFormat(PERSONA_TEMPLATE, {"persona": "You are terse."})
-    settings = InferenceSettings(eager_target(remote_target, dtype="float32", max_model_len=512, trust_remote_code=True),
-                                 dcfg.extract_layer_ids, "remote/g0", sampling=SamplingConfig(max_tokens=16),
-                                 backend="file", file_dir=str(tmp_path / "hs"), chat=chat)
+    settings = InferenceSettings(
+        eager_target(remote_target, dtype="float32", max_model_len=512, trust_remote_code=True),
+        dcfg.extract_layer_ids,
+        "remote/g0",
+        sampling=SamplingConfig(max_tokens=16),
+        backend="file",
+        file_dir=str(tmp_path / "hs"),
+        chat=chat,
+    )
     actor = ray.remote(num_cpus=1)(InferenceActor).remote(settings)
     try:
         [produced] = ray.get(actor.process.remote([PROMPT]), timeout=300)
@@ -87,7 +99,9 @@ def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_p
     assert produced.response_ids == target_generate(model, ids, 16, {tok.eos_token_id})
     sample = read_sample(produced.path)
     want = hidden_states_for(model, sample.token_ids, dcfg.extract_layer_ids)
-    cos = torch.nn.functional.cosine_similarity(sample.hidden_states.double().flatten(1), want.double().flatten(1), dim=-1)
+    cos = torch.nn.functional.cosine_similarity(
+        sample.hidden_states.double().flatten(1), want.double().flatten(1), dim=-1
+    )
     assert float(cos.min()) >= 0.999, cos
 
     # Exported, the checkpoint says how to read the target again: evaluation and recipe follow it.
@@ -100,10 +114,26 @@ def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_p
     # the recipe says the target needs remote code, and leaves the flag to the user (a comment, not the command)
     serve = (final / "serve.sh").read_text()
     assert "--trust-remote-code" in serve
-    assert not [line for line in serve.splitlines() if "--trust-remote-code" in line and not line.lstrip().startswith("#")]
+    assert not [
+        line for line in serve.splitlines() if "--trust-remote-code" in line and not line.lstrip().startswith("#")
+    ]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(PROMPT) + "\n")
-    result = evaluate.evaluate(evaluate.parse_args(["--target", str(remote_target), "--drafter", str(final), "--prompts",
-                                                    str(prompts), "--json", str(tmp_path / "e.json"),
-                                                    "--max-new-tokens", "16", "--trust-remote-code"]))
+    result = evaluate.evaluate(
+        evaluate.parse_args(
+            [
+                "--target",
+                str(remote_target),
+                "--drafter",
+                str(final),
+                "--prompts",
+                str(prompts),
+                "--json",
+                str(tmp_path / "e.json"),
+                "--max-new-tokens",
+                "16",
+                "--trust-remote-code",
+            ]
+        )
+    )
     assert result["lossless"] is True and result["requests"][0]["prompt_tokens"] == len(ids)

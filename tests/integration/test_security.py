@@ -57,7 +57,7 @@ def _listening_inodes() -> dict[str, tuple[str, int]]:
                 continue
             hexaddr, hexport = cols[1].split(":")
             raw = bytes.fromhex(hexaddr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word in host order
             out[cols[9]] = (str(ipaddress.ip_address(raw)), int(hexport, 16))
     return out
 
@@ -198,9 +198,11 @@ def test_the_probe_tells_a_refusal_from_an_answer(ray_cluster, mooncake_master):
     ray = ray_cluster
     gcs_host, gcs_port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
     node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
-    for name, host, port in (("gcs_server", gcs_host, int(gcs_port)),
-                             ("raylet", node["NodeManagerAddress"], node["NodeManagerPort"]),
-                             ("raylet's object manager", node["NodeManagerAddress"], node["ObjectManagerPort"])):
+    for name, host, port in (
+        ("gcs_server", gcs_host, int(gcs_port)),
+        ("raylet", node["NodeManagerAddress"], node["NodeManagerPort"]),
+        ("raylet's object manager", node["NodeManagerAddress"], node["ObjectManagerPort"]),
+    ):
         refused, why = refuses_without_token(Listener(host, port, 0, name))
         assert refused and why.startswith("gRPC: UNAUTHENTICATED"), (name, why)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
@@ -226,12 +228,29 @@ def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_
     from cluster.job import TrainingJob
 
     assert os.environ.get("RAY_AUTH_MODE") == "token"
-    cfg = load_config(ROOT / "configs" / "local.yaml", [
-        "run_name=listeners", f"output_dir={tmp_path}", "data.max_prompts=8", "data.epochs=1", "sampling.max_tokens=16",
-        "topology.groups.0.trainer_ranks_per_node=2", "trainer.batch_tokens=256", "trainer.checkpoint_interval=2",
-        "drafter.draft_vocab_size=null", "drafter.num_anchors=4", "drafter.markov_rank=16", "transport.segment_mb=256",
-        "data.eval_limit=1", "data.eval_max_new_tokens=8", "logging.wandb_mode=disabled", "logging.progress_interval_s=5",
-        NO_CALIBRATION, *QUICK_EVAL])
+    cfg = load_config(
+        ROOT / "configs" / "local.yaml",
+        [
+            "run_name=listeners",
+            f"output_dir={tmp_path}",
+            "data.max_prompts=8",
+            "data.epochs=1",
+            "sampling.max_tokens=16",
+            "topology.groups.0.trainer_ranks_per_node=2",
+            "trainer.batch_tokens=256",
+            "trainer.checkpoint_interval=2",
+            "drafter.draft_vocab_size=null",
+            "drafter.num_anchors=4",
+            "drafter.markov_rank=16",
+            "transport.segment_mb=256",
+            "data.eval_limit=1",
+            "data.eval_max_new_tokens=8",
+            "logging.wandb_mode=disabled",
+            "logging.progress_interval_s=5",
+            NO_CALIBRATION,
+            *QUICK_EVAL,
+        ],
+    )
     outcome: dict = {}
 
     def run() -> None:
@@ -261,4 +280,5 @@ def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_
     print(f"{len(seen)} listeners seen ({dict(kinds)}), {len(beyond)} beyond loopback: {beyond}")
     exposed = {x: why for x, (ok, why) in seen.items() if not ok}
     assert not exposed, "listeners beyond loopback that do not refuse a client without the token:\n" + "\n".join(
-        f"  {x.address}:{x.port} pid {x.pid} {x.process[:100]}: {why}" for x, why in sorted(exposed.items(), key=str))
+        f"  {x.address}:{x.port} pid {x.pid} {x.process[:100]}: {why}" for x, why in sorted(exposed.items(), key=str)
+    )

@@ -15,15 +15,47 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak")
-    return run_soak(["--prompts", "10000", "--groups", "100", "--checkpoint-every", "5", "--chaos-scale", "20",
-                     "--every-fault", "--poison-prompts", "2", "--poison-samples", "2", "--resubmit-at", "0.3", "0.6",
-                     "--cap-s", "240", "--seed", "7", "--out", str(out)], quiet=True)
+    return run_soak(
+        [
+            "--prompts",
+            "10000",
+            "--groups",
+            "100",
+            "--checkpoint-every",
+            "5",
+            "--chaos-scale",
+            "20",
+            "--every-fault",
+            "--poison-prompts",
+            "2",
+            "--poison-samples",
+            "2",
+            "--resubmit-at",
+            "0.3",
+            "0.6",
+            "--cap-s",
+            "240",
+            "--seed",
+            "7",
+            "--out",
+            str(out),
+        ],
+        quiet=True,
+    )
 
 
 def test_every_fault_kind_was_injected_and_survived(report):
     assert report["ended"] is None, report["ended"]
-    for kind in ("replica_death", "rank_death", "hang", "master_restart", "full_store", "poison_prompt",
-                 "poison_sample", "resubmit"):
+    for kind in (
+        "replica_death",
+        "rank_death",
+        "hang",
+        "master_restart",
+        "full_store",
+        "poison_prompt",
+        "poison_sample",
+        "resubmit",
+    ):
         assert report["injected"].get(kind, 0) >= 1, (kind, report["injected"])
 
 

@@ -23,8 +23,10 @@ from tests.helpers import eager_target
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me something about the number {i}."}]}
-           for i in range(40)]
+PROMPTS = [
+    {"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me something about the number {i}."}]}
+    for i in range(40)
+]
 KV_BLOCKS = 4  # x 128-token blocks on CPU: 512 tokens of KV cache, while the prompts need ~2,400
 
 
@@ -41,9 +43,14 @@ def tp_runs(ray_cluster, random_llama, mooncake_master):
     holder = HiddenStateStore(StoreConfig(master=mooncake_master.address, segment_bytes=128 << 20)).connect()
     layer_ids = DSparkConfig.from_target(random_llama).extract_layer_ids
     # fp32: in bf16 the two ranks' partial sums could round a near-tie to another greedy token
-    tp1 = InferenceSettings(eager_target(random_llama, max_model_len=256, dtype="float32", kv_cache_blocks=KV_BLOCKS),
-                            layer_ids, "tp1/g0", sampling=SamplingConfig(max_tokens=24),
-                            store=StoreConfig(master=mooncake_master.address), cpu_threads=2)
+    tp1 = InferenceSettings(
+        eager_target(random_llama, max_model_len=256, dtype="float32", kv_cache_blocks=KV_BLOCKS),
+        layer_ids,
+        "tp1/g0",
+        sampling=SamplingConfig(max_tokens=24),
+        store=StoreConfig(master=mooncake_master.address),
+        cpu_threads=2,
+    )
     tp2 = replace(tp1, key_prefix="tp2/g0", target=replace(tp1.target, tensor_parallel_size=2))
     # the job's CPU engine environment (preloaded tcmalloc and Intel OpenMP: 4x the TP-2 decode speed here)
     env = {"runtime_env": {"env_vars": cpu_process_env(("tcmalloc", "iomp"), 2)}}
@@ -64,7 +71,9 @@ def test_tp2_replica_stores_the_rows_tp1_stores(tp_runs):
         assert two.response_ids == one.response_ids, one.prompt_id
         a, b = (holder.get_samples([r.ref])[0] for r in (one, two))
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        cos = torch.nn.functional.cosine_similarity(a.hidden_states.float().flatten(1), b.hidden_states.float().flatten(1), dim=-1)
+        cos = torch.nn.functional.cosine_similarity(
+            a.hidden_states.float().flatten(1), b.hidden_states.float().flatten(1), dim=-1
+        )
         worst = min(worst, cos.min().item())
     assert worst >= 0.999, worst
 
@@ -88,8 +97,14 @@ def test_a_replica_across_two_ray_nodes():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-m", "tests.integration.two_node_replica"], cwd=root, capture_output=True,
-                         text=True, timeout=600, errors="replace")
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.integration.two_node_replica"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        errors="replace",
+    )
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert run.returncode == 0 and lines, (run.stdout[-3000:], run.stderr[-3000:])
     result = json.loads(lines[-1].removeprefix("RESULT "))

@@ -32,13 +32,11 @@ import pytest
 import torch
 
 from cluster.config import DrafterConfig, TrainerConfig
-from cluster.store import MooncakeMaster
 from cluster.data.ledger_rows import LeasedSample
 from cluster.scaling import RoleSpec, place, release
-from cluster.store import HiddenStateStore, StoreConfig
-from cluster.training import TrainerSettings, vocab_mapping_from
+from cluster.store import HiddenStateStore, MooncakeMaster, StoreConfig
+from cluster.training import TrainerGang, TrainerSettings, vocab_mapping_from
 from cluster.training import drafter_config as rank_drafter_config
-from cluster.training import TrainerGang
 from dspark.samples import Sample
 
 pytestmark = pytest.mark.integration
@@ -55,13 +53,23 @@ STEPS = [((40, 52), (130, 96, 70)), ((64,), (150, 88)), ((), (120, 110, 60))]
 def drafter_config() -> DrafterConfig:
     # num_anchors above any sample's eligible positions: every anchor is trained, so the blocks do
     # not depend on which rank's generator drew them.
-    return DrafterConfig(num_layers=1, block_size=4, markov_rank=16, draft_vocab_size=512, num_anchors=1024,
-                         init="random")
+    return DrafterConfig(
+        num_layers=1, block_size=4, markov_rank=16, draft_vocab_size=512, num_anchors=1024, init="random"
+    )
 
 
 def trainer_config(zero_stage: int) -> TrainerConfig:
-    return TrainerConfig(zero_stage=zero_stage, precision="fp32", lr=LR, warmup_steps=1, min_lr_ratio=0.5,
-                         torch_threads=1, preload=[], call_timeout_s=180.0, seed=0)
+    return TrainerConfig(
+        zero_stage=zero_stage,
+        precision="fp32",
+        lr=LR,
+        warmup_steps=1,
+        min_lr_ratio=0.5,
+        torch_threads=1,
+        preload=[],
+        call_timeout_s=180.0,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +95,12 @@ def world_data(tiny_target, store_master):
             rows = []
             for i, t in enumerate(lengths):
                 prompt = int(torch.randint(8, 24, (), generator=g))
-                sample = Sample(torch.randint(20, 420, (t,), generator=g), torch.arange(t) >= prompt,
-                                torch.randn(t, len(layer_ids), 64, generator=g).to(torch.bfloat16), layer_ids)
+                sample = Sample(
+                    torch.randint(20, 420, (t,), generator=g),
+                    torch.arange(t) >= prompt,
+                    torch.randn(t, len(layer_ids), 64, generator=g).to(torch.bfloat16),
+                    layer_ids,
+                )
                 key = f"tw/s{s}r{r}i{i}"
                 samples[key] = sample
                 rows.append(LeasedSample(key, writer.put_sample(key, sample), f"g{r}"))
@@ -97,12 +109,22 @@ def world_data(tiny_target, store_master):
     writer.close()
     pairs = [(x.token_ids, x.loss_mask) for x in samples.values()]
     model_init = vocab_mapping_from(pairs, 49152, 512, [2])
-    return {"steps": steps, "samples": samples, "model_init": model_init, "store": StoreConfig(master=store_master.address)}
+    return {
+        "steps": steps,
+        "samples": samples,
+        "model_init": model_init,
+        "store": StoreConfig(master=store_master.address),
+    }
 
 
 def settings_for(tiny_target, data, zero_stage: int) -> TrainerSettings:
-    return TrainerSettings(target_path=str(tiny_target), drafter=drafter_config(), trainer=trainer_config(zero_stage),
-                           store=data["store"], total_steps=len(STEPS) + 2)
+    return TrainerSettings(
+        target_path=str(tiny_target),
+        drafter=drafter_config(),
+        trainer=trainer_config(zero_stage),
+        store=data["store"],
+        total_steps=len(STEPS) + 2,
+    )
 
 
 def reference_weights(tiny_target, data, steps: int) -> dict[str, torch.Tensor]:
@@ -118,9 +140,20 @@ def reference_weights(tiny_target, data, steps: int) -> dict[str, torch.Tensor]:
     model = DSparkDrafter(cfg)
     model.load_target_weights(s.target_path)
     model.set_vocab_mapping(torch.tensor(data["model_init"]["d2t"]), torch.tensor(data["model_init"]["t2d"]))
-    opt, sched = build_optimizer(model, OptimConfig(lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                                                    total_steps=s.total_steps, min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip))
-    objective = DrafterObjective(model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors)
+    opt, sched = build_optimizer(
+        model,
+        OptimConfig(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=s.total_steps,
+            min_lr_ratio=t.min_lr_ratio,
+            grad_clip=t.grad_clip,
+        ),
+    )
+    objective = DrafterObjective(
+        model, LossWeights(d.ce_weight, d.l1_weight, d.confidence_weight, d.decay), d.num_anchors
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     for ranks in data["steps"][:steps]:
         batch = objective.pack([data["samples"][row.uid] for rows in ranks for row in rows], dtype=torch.float32)
@@ -138,8 +171,9 @@ class World:
     job has), a `TrainerGang`, leases of rows from the store."""
 
     def __init__(self, settings: TrainerSettings, ranks: int, name: str) -> None:
-        self.placed = [place(RoleSpec(f"g{r}", "trainer", 0, [{"CPU": 1}], "STRICT_PACK", 1, name), 60)
-                       for r in range(ranks)]
+        self.placed = [
+            place(RoleSpec(f"g{r}", "trainer", 0, [{"CPU": 1}], "STRICT_PACK", 1, name), 60) for r in range(ranks)
+        ]
         self.gang = TrainerGang(settings, name)
         self.gang.start(self.placed)
 
@@ -157,8 +191,9 @@ class World:
 
     def checkpoint(self, root: Path, step: int) -> Path:
         dest = root / f"step-{step:06d}"
-        return self.gang.save_checkpoint(root / f".step-{step:06d}.tmp", dest, step, {"entries": []},
-                                         {"step": step, "record_rows": 0})
+        return self.gang.save_checkpoint(
+            root / f".step-{step:06d}.tmp", dest, step, {"entries": []}, {"step": step, "record_rows": 0}
+        )
 
     def close(self) -> None:
         self.gang.stop()
@@ -187,7 +222,9 @@ def largest_change(after: dict[str, torch.Tensor], before: dict[str, torch.Tenso
 
 # 2: the production recipe's stage, in the default run; 1 (what the local two-group job runs,
 # which test_groups runs in the default run) and 3 in the slow set (the suite's 15 minutes)
-@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "zero_stage", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
+)
 def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster, tiny_target, world_data, tmp_path):
     """2 ranks × their own samples give the drafter that 1 × all the samples gives, step after
     step, although rank 1 holds ~3x the slots of rank 0, and in a step where rank 0 has nothing
@@ -211,7 +248,7 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
         exported = Path(world.gang.export(str(tmp_path / "final"), calibration["temperatures"], "tiny-target"))
     finally:
         world.close()
-    assert not Path(init[len("file://"):]).parent.exists()  # rank 0 removed it when the world stopped
+    assert not Path(init[len("file://") :]).parent.exists()  # rank 0 removed it when the world stopped
     assert len(calibration["temperatures"]) == drafter_config().block_size
     config = json.loads((exported / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
@@ -222,8 +259,10 @@ def test_two_ranks_update_as_one_rank_with_both_batches(zero_stage, ray_cluster,
     want = reference_weights(tiny_target, world_data, len(STEPS))
     moved = largest_change(want, start)
     diff, where = max_difference(weights, want)
-    print(f"ZeRO-{zero_stage}: max |w - reference| {diff:.2e} ({where}); the reference moved {moved:.2e}; "
-          f"{time.monotonic() - t0:.1f}s")
+    print(
+        f"ZeRO-{zero_stage}: max |w - reference| {diff:.2e} ({where}); the reference moved {moved:.2e}; "
+        f"{time.monotonic() - t0:.1f}s"
+    )
     assert moved > 100 * TOLERANCE  # the steps did something the comparison can see
     assert diff < TOLERANCE, f"ZeRO-{zero_stage}: {where} differs by {diff:.2e} from one rank on both batches"
 
@@ -259,5 +298,7 @@ def test_resized_world_goes_on_as_if_never_resized(zero_stage, ray_cluster, tiny
             world.close()
         assert (checkpoint / "meta.json").exists()
     diff, where = max_difference(drafter_weights(checkpoint), reference_weights(tiny_target, world_data, 3))
-    print(f"ZeRO-{zero_stage}, 1 -> 2 -> 1 ranks: max |w - reference| {diff:.2e} ({where}); {time.monotonic() - t0:.1f}s")
+    print(
+        f"ZeRO-{zero_stage}, 1 -> 2 -> 1 ranks: max |w - reference| {diff:.2e} ({where}); {time.monotonic() - t0:.1f}s"
+    )
     assert diff < TOLERANCE, f"after two resizes {where} differs by {diff:.2e} from an uninterrupted run"

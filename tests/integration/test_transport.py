@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from cluster.data import LedgerClient, SampleLedger
-from cluster.store import MooncakeMaster
-from cluster.store import NodeStore
 from cluster.inference import ReplayActor, ReplaySettings
-from cluster.store import HiddenStateStore, StoreConfig, StoreError, StoreUnavailable
+from cluster.store import HiddenStateStore, MooncakeMaster, NodeStore, StoreConfig, StoreError, StoreUnavailable
 from dspark.samples import Sample, write_sample
 
 pytestmark = pytest.mark.integration
@@ -123,13 +121,21 @@ def sample_dir(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     for i in range(6):
         t = 150 + 40 * i
-        write_sample(d / f"s{i}.safetensors", Sample(torch.randint(0, 1000, (t,), generator=g), torch.ones(t, dtype=torch.bool),
-                                                     torch.randn(t, 6, 576, generator=g).to(torch.bfloat16), [2, 8, 15, 22, 28, 30]))
+        write_sample(
+            d / f"s{i}.safetensors",
+            Sample(
+                torch.randint(0, 1000, (t,), generator=g),
+                torch.ones(t, dtype=torch.bool),
+                torch.randn(t, 6, 576, generator=g).to(torch.bfloat16),
+                [2, 8, 15, 22, 28, 30],
+            ),
+        )
     return d
 
 
-def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256,
-                 segment_host: str = "node"):
+def run_scenario(
+    ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, segment_mb: int = 256, segment_host: str = "node"
+):
     Master = ray.remote(num_cpus=0, max_concurrency=4)(MooncakeMaster)
     master = Master.remote(segment_bytes=segment_mb << 20 if segment_host == "master" else 0)
     info = ray.get(master.info.remote())
@@ -140,8 +146,9 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
         store["node_client"] = ray.get(daemon.info.remote())["address"]
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(n_prompts)]
     high = (segment_mb << 20) * (10 if scenario == "full_store" else 0.7)  # full_store: no ledger backpressure
-    ledger = ray.remote(num_cpus=0)(SampleLedger).remote(prompts, epochs=2, key_prefix=scenario,
-                                                         watermarks={"g0": (int(high), int(high * 0.5))})
+    ledger = ray.remote(num_cpus=0)(SampleLedger).remote(
+        prompts, epochs=2, key_prefix=scenario, watermarks={"g0": (int(high), int(high * 0.5))}
+    )
     C = ray.remote(num_cpus=0, max_concurrency=2)(Consumer)
     ckpt = str(tmp_path / f"{scenario}.json")
     consumer = C.remote(ledger, store, ckpt)
@@ -171,20 +178,23 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
 
     generation = ray.get(master.info.remote())["generation"]
     if scenario == "kill_consumer":
-        ray.get(consumer.run.remote(10 ** 6, stop_before_commit_at=5))
+        ray.get(consumer.run.remote(10**6, stop_before_commit_at=5))
         ray.kill(consumer)  # it trained 5 steps, committed 3: steps 4-5 must be trained again
         consumer = C.remote(ledger, store, ckpt)
         events.append(("consumer_restarted",))
     # restart_daemon: a slower consumer, so that samples wait in the store when the daemon dies
-    run = consumer.run.remote(10 ** 6, step_pause_s=0.2 if scenario == "restart_daemon" else 0.0)
+    run = consumer.run.remote(10**6, step_pause_s=0.2 if scenario == "restart_daemon" else 0.0)
     t0 = time.monotonic()
     injected = False
     while True:
         done, _ = ray.wait([run], timeout=0.2)
         supervise()
         counts = ray.get(ledger.counts.remote())
-        if not injected and counts.trained + counts.leased >= n_prompts // 3 and (
-                scenario != "restart_daemon" or counts.stored >= 3):
+        if (
+            not injected
+            and counts.trained + counts.leased >= n_prompts // 3
+            and (scenario != "restart_daemon" or counts.stored >= 3)
+        ):
             injected = True
             if scenario == "kill_producer":
                 ray.kill(producers["r0"])
@@ -206,8 +216,10 @@ def run_scenario(ray, sample_dir, tmp_path, scenario: str, n_prompts: int = 60, 
     seen = ray.get(consumer.seen_uids.remote())
     outcome = ray.get(ledger.outcome.remote())
     assert outcome["unfinished"] == [], outcome["unfinished"][:5]
-    report = {"failed": sorted(outcome["failed"]),
-              "per_epoch": dict(sorted(Counter(u.rsplit("@", 1)[1] for u in outcome["trained"]).items()))}
+    report = {
+        "failed": sorted(outcome["failed"]),
+        "per_epoch": dict(sorted(Counter(u.rsplit("@", 1)[1] for u in outcome["trained"]).items())),
+    }
     report["errors"] = [ev for ev in ray.get(ledger.state_dict.remote())["entries"] if ev["state"] == "failed"]
     report["missing_reported"] = ray.get(consumer.missing_reported.remote())
     stats = ray.get([p.stats.remote() for p in producers.values()])
@@ -246,18 +258,27 @@ def left_in_store(ray, ledger, master, consumer, key_prefix: str) -> dict:
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("scenario,segment_host", [
-    pytest.param("kill_producer", "node", marks=SLOW), ("restart_master", "node"),
-    pytest.param("restart_daemon", "node", marks=SLOW), ("kill_consumer", "node"),
-    pytest.param("full_store", "node", marks=SLOW), pytest.param("restart_master", "master", marks=SLOW),
-    pytest.param("full_store", "master", marks=SLOW),
-])
+@pytest.mark.parametrize(
+    "scenario,segment_host",
+    [
+        pytest.param("kill_producer", "node", marks=SLOW),
+        ("restart_master", "node"),
+        pytest.param("restart_daemon", "node", marks=SLOW),
+        ("kill_consumer", "node"),
+        pytest.param("full_store", "node", marks=SLOW),
+        pytest.param("restart_master", "master", marks=SLOW),
+        pytest.param("full_store", "master", marks=SLOW),
+    ],
+)
 def test_exactly_once_after_failure(scenario, segment_host, ray_cluster, sample_dir, tmp_path):
     seg, n = (16, 30) if scenario == "full_store" else (256, 60)
-    seen, report, events, stats = run_scenario(ray_cluster, sample_dir, tmp_path, scenario, n_prompts=n, segment_mb=seg,
-                                               segment_host=segment_host)
+    seen, report, events, stats = run_scenario(
+        ray_cluster, sample_dir, tmp_path, scenario, n_prompts=n, segment_mb=seg, segment_host=segment_host
+    )
     expected = {f"p{i}@{e}" for i in range(n) for e in range(2)}
-    assert report["failed"] == [] and report["per_epoch"] == {"0": n, "1": n}, [(e["prompt_id"], e["attempts"], e["errors"]) for e in report["errors"][:3]]
+    assert report["failed"] == [] and report["per_epoch"] == {"0": n, "1": n}, [
+        (e["prompt_id"], e["attempts"], e["errors"]) for e in report["errors"][:3]
+    ]
     assert sorted(seen) == sorted(expected), "the consumer's model saw a sample twice or missed one"
     if scenario == "kill_producer":
         assert any(e[0] == "replica_died" for e in events)
@@ -292,12 +313,23 @@ def test_round_trip_is_exact(segment_host, tmp_path):
     daemon = NodeStore(master.address, 64 << 20) if segment_host == "node" else None
     # 1 MiB buffers: the attached client's staging and read buffers must grow; a full client
     # stages a put in its local buffer, which must hold the sample
-    cfg = {"master": master.address, "node_client": daemon.address if daemon else "", "buffer_bytes": (1 if daemon else 4) << 20}
+    cfg = {
+        "master": master.address,
+        "node_client": daemon.address if daemon else "",
+        "buffer_bytes": (1 if daemon else 4) << 20,
+    }
     writer, reader = HiddenStateStore(StoreConfig(**cfg)).connect(), HiddenStateStore(StoreConfig(**cfg)).connect()
     try:
         g = torch.Generator().manual_seed(1)
-        samples = [Sample(torch.randint(0, 49152, (t,), generator=g), torch.rand(t, generator=g) > 0.3,
-                          torch.randn(t, 3, 576, generator=g).to(torch.bfloat16), [4, 9, 30]) for t in (37, 500, 300)]
+        samples = [
+            Sample(
+                torch.randint(0, 49152, (t,), generator=g),
+                torch.rand(t, generator=g) > 0.3,
+                torch.randn(t, 3, 576, generator=g).to(torch.bfloat16),
+                [4, 9, 30],
+            )
+            for t in (37, 500, 300)
+        ]
         refs = [writer.put_sample(f"rt/{i}", s) for i, s in enumerate(samples)]  # 500 tokens: 1.7 MB > 1 MiB buffer
         for copy in (True, False):
             got = reader.get_samples(refs, copy=copy)

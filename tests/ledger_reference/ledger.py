@@ -60,9 +60,20 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
 
-from cluster.data.ledger_entry import (QUARANTINE, FAILED, GENERATING, LEASED, PENDING, STATES, STORED, TRAINED, UNBOUNDED, Entry,
-                                       LedgerError)
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts
+from cluster.data.ledger_entry import (
+    FAILED,
+    GENERATING,
+    LEASED,
+    PENDING,
+    QUARANTINE,
+    STATES,
+    STORED,
+    TRAINED,
+    UNBOUNDED,
+    Entry,
+    LedgerError,
+)
 from tests.ledger_reference.ledger_generation import GenerationSide
 from tests.ledger_reference.ledger_training import TrainingSide
 
@@ -231,8 +242,11 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._quarantine(e)
 
     def _quarantine(self, failed: Entry) -> None:
-        copies = [c for c in (self.entries.get(f"{failed.prompt_id}@{epoch}") for epoch in range(self.epochs))
-                  if c is not None and c.state == PENDING]
+        copies = [
+            c
+            for c in (self.entries.get(f"{failed.prompt_id}@{epoch}") for epoch in range(self.epochs))
+            if c is not None and c.state == PENDING
+        ]
         for c in copies:
             c.errors.append(f"{QUARANTINE}{failed.uid}: " + (failed.errors[-1] if failed.errors else "failed"))
             self._set(c, FAILED, replica=None, group=None)
@@ -247,7 +261,9 @@ class SampleLedger(GenerationSide, TrainingSide):
     def first_open_epoch(self) -> int:
         """The lowest epoch from which on nothing has begun: no sample of it or of a later epoch
         is being generated, leased, trained or failed (they are pending, or stored ahead)."""
-        begun = [e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))]
+        begun = [
+            e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))
+        ]
         return begun[-1] + 1 if begun else 0
 
     def shorten(self, epochs: int) -> list[str]:
@@ -255,8 +271,10 @@ class SampleLedger(GenerationSide, TrainingSide):
         the ledger, as if never planned. Only epochs that have not begun can go. Returns the
         keys of their stored samples that no remaining entry holds, for the store to drop."""
         if not 1 <= epochs <= self.epochs or epochs < self.first_open_epoch():
-            raise LedgerError(f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
-                              f"{self.first_open_epoch() - 1} have begun")
+            raise LedgerError(
+                f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
+                f"{self.first_open_epoch() - 1} have begun"
+            )
         dropped = [self.entries[u] for u in self.order if self.entries[u].epoch >= epochs]
         kept_keys = {(e.ref or {}).get("key") for e in self._in(STORED, LEASED) if e.epoch < epochs}
         keys = sorted({e.ref["key"] for e in dropped if e.state == STORED and e.ref} - kept_keys)
@@ -316,13 +334,18 @@ class SampleLedger(GenerationSide, TrainingSide):
 
     def outcome(self) -> dict:
         """Uids by final state, for the exactly-once proof (`cluster.data.record`)."""
-        return {"trained": list(self._members[TRAINED]), "failed": {u: self.entries[u].errors for u in self._members[FAILED]},
-                "unfinished": [u for u in self.order if self.entries[u].state not in (TRAINED, FAILED)]}
+        return {
+            "trained": list(self._members[TRAINED]),
+            "failed": {u: self.entries[u].errors for u in self._members[FAILED]},
+            "unfinished": [u for u in self.order if self.entries[u].state not in (TRAINED, FAILED)],
+        }
 
     def state_dict(self) -> dict:
         return {
-            "epochs": self.epochs, "committed_step": self.committed_step,
-            "master_generation": self.master_generation, "totals": dict(self.totals),
+            "epochs": self.epochs,
+            "committed_step": self.committed_step,
+            "master_generation": self.master_generation,
+            "totals": dict(self.totals),
             "group_totals": {g: dict(c) for g, c in self.group_totals.items()},
             "entries": [asdict(self.entries[u]) for u in self.order],
         }
@@ -343,12 +366,33 @@ class SampleLedger(GenerationSide, TrainingSide):
         for uid, e in self.entries.items():
             d = known.get(uid)
             if d and d["state"] in (TRAINED, FAILED):
-                self._set(e, d["state"], trained_at_step=d.get("trained_at_step"), tokens=d.get("tokens", 0),
-                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=d.get("ref"),
-                          group=d.get("group"), step=d.get("step"), rank=d.get("rank"), crossed=d.get("crossed", False))
+                self._set(
+                    e,
+                    d["state"],
+                    trained_at_step=d.get("trained_at_step"),
+                    tokens=d.get("tokens", 0),
+                    attempts=max(e.attempts, d.get("attempts", 0)),
+                    errors=list(d.get("errors", [])),
+                    ref=d.get("ref"),
+                    group=d.get("group"),
+                    step=d.get("step"),
+                    rank=d.get("rank"),
+                    crossed=d.get("crossed", False),
+                )
             else:
-                self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, replica=None, group=None, crossed=False,
-                          released=False, attempts=max(e.attempts, d.get("attempts", 0) if d else 0))
+                self._set(
+                    e,
+                    PENDING,
+                    ref=None,
+                    step=None,
+                    rank=None,
+                    nbytes=0,
+                    replica=None,
+                    group=None,
+                    crossed=False,
+                    released=False,
+                    attempts=max(e.attempts, d.get("attempts", 0) if d else 0),
+                )
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))
         self.group_totals = defaultdict(Counter, {g: Counter(c) for g, c in state.get("group_totals", {}).items()})

@@ -1,5 +1,6 @@
-"""The ledger's generation side: the calls of the producers (inference replicas, replay) on the `SampleLedger` state (cluster/data/ledger.py,
-whose docstring tells the whole life of a sample). A mixin: it holds no state of its own."""
+"""The ledger's generation side: the calls of the producers (inference replicas, replay) on the
+`SampleLedger` state (cluster/data/ledger.py, whose docstring tells the whole life of a sample).
+A mixin: it holds no state of its own."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ class GenerationSide:
         for e in chosen:  # (after the scan: _set edits the pools)
             e.attempts += 1
             self._set(e, GENERATING, replica=replica, group=group)
-            out.append({"id": e.prompt_id, "uid": e.uid, "key": self.key_for(e, group), "messages": self.messages[e.prompt_id]})
+            out.append(
+                {"id": e.prompt_id, "uid": e.uid, "key": self.key_for(e, group), "messages": self.messages[e.prompt_id]}
+            )
         return out
 
     def full(self, group: str) -> bool:
@@ -77,7 +80,9 @@ class GenerationSide:
             if r.get("error") or not r.get("ref"):
                 self._retry_or_fail(e, str(r.get("error")))
                 continue
-            self._set(e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None, suspect=False)
+            self._set(
+                e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None, suspect=False
+            )
             for totals in (self.totals, self.group_totals[e.group]):
                 totals["produced_samples"] += 1
                 totals["produced_tokens"] += int(r["tokens"])

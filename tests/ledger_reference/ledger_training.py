@@ -1,5 +1,6 @@
-"""The ledger's training side: the calls of the training loop (step assembly, commits, restarts) on the `SampleLedger` state (cluster/data/ledger.py,
-whose docstring tells the whole life of a sample). A mixin: it holds no state of its own."""
+"""The ledger's training side: the calls of the training loop (step assembly, commits, restarts)
+on the `SampleLedger` state (cluster/data/ledger.py, whose docstring tells the whole life of a
+sample). A mixin: it holds no state of its own."""
 
 from __future__ import annotations
 
@@ -101,8 +102,13 @@ class TrainingSide:
 
     def _shares_key_with_next(self, e: Entry) -> bool:
         nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
-        return bool(self.reuse and nxt is not None and nxt.ref and nxt.ref.get("key") == e.ref["key"]
-                    and nxt.state in (STORED, LEASED))
+        return bool(
+            self.reuse
+            and nxt is not None
+            and nxt.ref
+            and nxt.ref.get("key") == e.ref["key"]
+            and nxt.state in (STORED, LEASED)
+        )
 
     def release(self, step: int) -> list[str]:
         """The samples trained at `step` leave the store now (not at their commit); return
@@ -136,14 +142,21 @@ class TrainingSide:
         back = [e for e in self._in(LEASED) if e.step is None or e.step > committed_step]
         for e in back:
             if e.released:
-                self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, group=None, crossed=False, released=False)
+                self._set(
+                    e, PENDING, ref=None, step=None, rank=None, nbytes=0, group=None, crossed=False, released=False
+                )
             else:
                 self._set(e, STORED, step=None, rank=None, crossed=False)
         self.events.append({"event": "trainer_restarted", "committed_step": committed_step, "re_leased": len(back)})
         return len(back)
 
-    def release_lease(self, step: int, missing: list[str] | dict[str, str], reason: str = "gone from the store",
-                      regenerate: bool = True) -> None:
+    def release_lease(
+        self,
+        step: int,
+        missing: list[str] | dict[str, str],
+        reason: str = "gone from the store",
+        regenerate: bool = True,
+    ) -> None:
         """Step `step` cannot train: the `missing` samples (a list, or uid -> why) are gone or
         unusable and go back to pending to be regenerated (an attempt each: FAILED after
         `max_attempts`); with `regenerate=False` (their data is fine, the step was not: a

@@ -20,13 +20,21 @@ def _row(r: ProducedSample) -> dict:
     rows were typed)."""
     if r.ref is None:
         return {"uid": r.uid, "error": r.error or "no sample"}
-    return {"uid": r.uid, "ref": r.ref.to_dict(), "tokens": r.ref.num_tokens, "nbytes": r.ref.nbytes,
-            **({"error": r.error} if r.error else {})}
+    return {
+        "uid": r.uid,
+        "ref": r.ref.to_dict(),
+        "tokens": r.ref.num_tokens,
+        "nbytes": r.ref.nbytes,
+        **({"error": r.error} if r.error else {}),
+    }
 
 
 class TypedReferenceLedger(SampleLedger):
     def request_prompts(self, replica: str, max_n: int, group: str = "g0") -> list[PromptTask]:
-        return [PromptTask(p["id"], p["uid"], p["key"], p["messages"]) for p in super().request_prompts(replica, max_n, group)]
+        return [
+            PromptTask(p["id"], p["uid"], p["key"], p["messages"])
+            for p in super().request_prompts(replica, max_n, group)
+        ]
 
     def report_produced(self, replica: str, results: list[ProducedSample]) -> None:
         super().report_produced(replica, [_row(r) for r in results])

@@ -10,7 +10,12 @@ def brute_force_eligible(mask, docs, g, shift):
     out = []
     for p in range(t):
         last = p + g - 1 + shift
-        ok = p + 1 < t and last < t and bool(mask[p + 1]) and all(int(docs[i]) == int(docs[p]) for i in range(p, last + 1))
+        ok = (
+            p + 1 < t
+            and last < t
+            and bool(mask[p + 1])
+            and all(int(docs[i]) == int(docs[p]) for i in range(p, last + 1))
+        )
         out.append(ok)
     return out
 

@@ -15,8 +15,14 @@ TEN = Choices(target_epochs=10.0)  # the figures below were worked out for a tar
 
 
 def work(categories: int, window_s: float, cores: int = 2, max_epochs: int = 20) -> Workload:
-    return Workload({f"c{i}": 60 for i in range(categories)}, prompt_tokens=40, batch_tokens=1024,
-                    train_window_s=window_s, cores=cores, max_epochs=max_epochs)
+    return Workload(
+        {f"c{i}": 60 for i in range(categories)},
+        prompt_tokens=40,
+        batch_tokens=1024,
+        train_window_s=window_s,
+        cores=cores,
+        max_epochs=max_epochs,
+    )
 
 
 def test_a_fast_box_keeps_long_answers_and_takes_the_most_prompts_that_reach_ten_epochs():
@@ -49,7 +55,12 @@ def test_both_cores_to_the_replica_where_the_trainer_mostly_waits():
     # epochs. On one thread: 122.88 s of generation, 8.7 epochs, short of ten.
     fast_trainer = Paces(FAST.generation_tok_s, {1: 0.5, 2: 0.4}, {2: 0.3})
     plan = choose_plan(work(4, 200), fast_trainer, TEN)
-    assert (plan.prompts_per_category, plan.answer_tokens, plan.replica_threads, plan.trainer_threads) == (48, 128, 2, 1)
+    assert (plan.prompts_per_category, plan.answer_tokens, plan.replica_threads, plan.trainer_threads) == (
+        48,
+        128,
+        2,
+        1,
+    )
     assert plan.generation_s == pytest.approx(93.6, abs=0.05)
     assert plan.trained_samples == 2268 and plan.epochs == pytest.approx(11.81, abs=0.01)
 
@@ -108,20 +119,25 @@ def test_a_lower_target_takes_more_prompts_at_fewer_epochs():
 
 
 def test_categories_smaller_than_the_cap_count_what_they_have():
-    w = Workload({"big": 60, "small": 5}, prompt_tokens=40, batch_tokens=1024, train_window_s=360, cores=2, max_epochs=20)
+    w = Workload(
+        {"big": 60, "small": 5}, prompt_tokens=40, batch_tokens=1024, train_window_s=360, cores=2, max_epochs=20
+    )
     plan = choose_plan(w, FAST, Choices(prompts_per_category=(48,), answer_tokens=(128,)))
     assert plan.prompts == 48 + 5
     # fewer prompts than the trainer's first 64: it starts once generation ends; max_epochs then caps
     assert plan.trained_samples == 20 * 53 and plan.epochs == 20
 
 
-@pytest.mark.parametrize("overrides, why", [
-    ([], None),
-    (["device=cuda", "topology.groups.0.gpus_per_node=2"], "device cuda"),
-    (["inference.backend=replay", "inference.replay_dir=/tmp"], "the replay backend generates nothing"),
-    (["trainer.time_budget_s=null"], "no trainer.time_budget_s"),
-    (["trainer.max_steps=10"], "trainer.max_steps=10 ends training first"),
-])
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        ([], None),
+        (["device=cuda", "topology.groups.0.gpus_per_node=2"], "device cuda"),
+        (["inference.backend=replay", "inference.replay_dir=/tmp"], "the replay backend generates nothing"),
+        (["trainer.time_budget_s=null"], "no trainer.time_budget_s"),
+        (["trainer.max_steps=10"], "trainer.max_steps=10 ends training first"),
+    ],
+)
 def test_the_plan_applies_to_one_cpu_box_generating_in_a_time_budget(overrides, why):
     from cluster.box import box_unfit
     from cluster.config_load import load_config
@@ -130,8 +146,9 @@ def test_the_plan_applies_to_one_cpu_box_generating_in_a_time_budget(overrides, 
     assert box_unfit(load_config("configs/local_2groups.yaml", ["trainer.time_budget_s=100"])) == "2 groups"
 
 
-@pytest.mark.parametrize("override", ["box_plan.answer_tokens=[]", "box_plan.prompts_per_category=[0,12]",
-                                      "box_plan.answer_tokens=[2048]"])
+@pytest.mark.parametrize(
+    "override", ["box_plan.answer_tokens=[]", "box_plan.prompts_per_category=[0,12]", "box_plan.answer_tokens=[2048]"]
+)
 def test_choices_that_cannot_be_made_are_config_errors(override):
     from cluster.config import ConfigError
     from cluster.config_load import load_config

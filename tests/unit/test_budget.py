@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.training import EpochPlanner, Plan
-from cluster.data import LedgerError, ProducedSample, SampleLedger, trained_outside
-from cluster.data import TrainingRecord
+from cluster.data import LedgerError, ProducedSample, SampleLedger, TrainingRecord, trained_outside
 from cluster.store import SampleRef
+from cluster.training import EpochPlanner, Plan
 from dspark.training import OptimConfig, WarmupCosine, build_optimizer
 
 
@@ -157,7 +156,8 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
     for _ in range(2):  # epochs 0 and 1
         if not reuse:
             generate()
-        for step, removed in run_epochs(ledger, record, step, 1):
+        for done, removed in run_epochs(ledger, record, step, 1):
+            step = done
             store.difference_update(removed)
     if not reuse:
         generate()  # epochs 2 and 3 are generated ahead of their leases
@@ -167,7 +167,9 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
     assert store  # epoch 2's samples (reused or generated) wait in the store
     store.difference_update(ledger.shorten(2))
     assert not store  # nothing any remaining entry needs is left behind
-    assert ledger.drained() and not ledger.outcome()["unfinished"] and ledger.lease_step(step + 1, ["g0"], 10_000) is None
+    assert (
+        ledger.drained() and not ledger.outcome()["unfinished"] and ledger.lease_step(step + 1, ["g0"], 10_000) is None
+    )
     assert ledger.request_prompts("r0", 10) == []
     proof = record.verify(ledger.outcome(), complete=True)  # the shortened plan, every sample once
     assert proof["per_epoch"] == {"0": 4, "1": 4} and ledger.counts().epochs == 2
@@ -181,8 +183,9 @@ def test_a_shortened_plan_drops_unbegun_epochs_and_their_stored_samples(reuse, t
 
 def test_an_epoch_in_generation_is_not_dropped():
     ledger = SampleLedger(prompts(2), epochs=3)
-    ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0))
-                                  for p in ledger.request_prompts("r0", 10)])
+    ledger.report_produced(
+        "r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0)) for p in ledger.request_prompts("r0", 10)]
+    )
     ledger.request_prompts("r0", 10)  # epoch 1 generating (epoch 0 has nothing left to generate)
     assert ledger.first_open_epoch() == 2
     with pytest.raises(LedgerError):
@@ -204,8 +207,9 @@ def test_a_moved_lr_horizon_ends_the_cosine_at_the_new_last_step():
         sched.step()
         lrs.append(sched.get_last_lr()[0])
     # closed form: 0.1 + 0.9 * (1 + cos(pi * (s - 2) / 28)) / 2 at step s, the floor from step 30 on
-    assert lrs[:20] == pytest.approx([0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * (s - 2) / 28)).item())
-                                      for s in range(11, 31)])
+    assert lrs[:20] == pytest.approx(
+        [0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * (s - 2) / 28)).item()) for s in range(11, 31)]
+    )
     assert lrs[20:] == pytest.approx([0.1] * 5)
     saved = sched.state_dict()  # the horizon travels with the scheduler's state
     _, fresh = build_optimizer(model, OptimConfig(lr=1.0, warmup_steps=2, total_steps=100, min_lr_ratio=0.1))

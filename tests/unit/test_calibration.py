@@ -49,8 +49,11 @@ def test_temperatures_fitted_on_one_split_help_on_another():
 
     def ece(pred, label, bins=15):
         idx = torch.clamp((pred * bins).long(), max=bins - 1)
-        return sum(float((pred[idx == b].mean() - label[idx == b].mean()).abs()) * int((idx == b).sum()) / len(pred)
-                   for b in range(bins) if (idx == b).any())
+        return sum(
+            float((pred[idx == b].mean() - label[idx == b].mean()).abs()) * int((idx == b).sum()) / len(pred)
+            for b in range(bins)
+            if (idx == b).any()
+        )
 
     survive = torch.cumprod(other_acc, dim=1)
     prefix = torch.cumprod(torch.sigmoid(other_logits / torch.tensor(temps)), dim=1)

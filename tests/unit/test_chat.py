@@ -20,8 +20,11 @@ from dspark.recipe import CHAT_TEMPLATE_FILE, write_recipe
 from tests.helpers import PERSONA_TEMPLATE as TEMPLATE
 from tests.helpers import make_drafter
 
-MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
-            {"role": "user", "content": "Name a colour."}]
+MESSAGES = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello there."},
+    {"role": "user", "content": "Name a colour."},
+]
 
 
 @pytest.fixture
@@ -42,13 +45,19 @@ def test_options_change_the_rendering_and_keep_the_loss_mask(tiny_target, templa
     chat = ChatFormat.from_options(str(template_file), {"persona": "You are terse."})
     plain = ChatFormat.from_options(str(template_file), {})
     with_persona = tok.decode(render_prompt(tok, MESSAGES, chat))
-    assert with_persona.startswith("<|im_start|>system\nYou are terse.") and with_persona.endswith("<|im_start|>assistant\n")
+    assert with_persona.startswith("<|im_start|>system\nYou are terse.") and with_persona.endswith(
+        "<|im_start|>assistant\n"
+    )
     assert tok.decode(render_prompt(tok, MESSAGES, plain)).startswith("<|im_start|>user\nHi")
     assert render_prompt(tok, MESSAGES, TOKENIZER_DEFAULT) != render_prompt(tok, MESSAGES, chat)
     ids, mask = render_with_loss_mask(tok, MESSAGES, chat)
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "Hello there.<|im_end|>"
     record = chat.record(tok)
-    assert record["template"] == TEMPLATE and record["kwargs"] == {"persona": "You are terse."} and record["source"] == "config"
+    assert (
+        record["template"] == TEMPLATE
+        and record["kwargs"] == {"persona": "You are terse."}
+        and record["source"] == "config"
+    )
     assert TOKENIZER_DEFAULT.record(tok)["template"] == tok.chat_template
 
 
@@ -58,7 +67,12 @@ def test_the_format_travels_with_the_drafter(tiny_target, template_file, tmp_pat
     drafter = make_drafter(tiny_target, block_size=4)
     drafter.config.chat_format = chat.record(tok)
     final = save_drafter(drafter, tmp_path / "final")
-    assert ChatFormat.from_record(DSparkConfig.from_speculators_dict(json.loads((final / "config.json").read_text())).chat_format) == chat
+    assert (
+        ChatFormat.from_record(
+            DSparkConfig.from_speculators_dict(json.loads((final / "config.json").read_text())).chat_format
+        )
+        == chat
+    )
 
     write_recipe(final, {}, {})
     assert (final / CHAT_TEMPLATE_FILE).read_text() == TEMPLATE
@@ -70,8 +84,22 @@ def test_the_format_travels_with_the_drafter(tiny_target, template_file, tmp_pat
     # τ is measured on prompts rendered as the drafter's data was.
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "c0", "messages": MESSAGES}) + "\n")
-    res = evaluate.evaluate(evaluate.parse_args(["--target", str(tiny_target), "--drafter", str(final), "--prompts",
-                                                 str(prompts), "--json", str(tmp_path / "e.json"), "--max-new-tokens", "4"]))
+    res = evaluate.evaluate(
+        evaluate.parse_args(
+            [
+                "--target",
+                str(tiny_target),
+                "--drafter",
+                str(final),
+                "--prompts",
+                str(prompts),
+                "--json",
+                str(tmp_path / "e.json"),
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+    )
     assert res["requests"][0]["prompt_tokens"] == len(render_prompt(tok, MESSAGES, chat))
     assert res["requests"][0]["prompt_tokens"] != len(render_prompt(tok, MESSAGES))
 

@@ -22,10 +22,16 @@ def test_every_declared_check_names_a_key_of_the_config():
         assert OmegaConf.select(node, key, default=KeyError) is not KeyError, key
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.zero_stage=4", r"`trainer.zero_stage`: 4 is out of range \(must be >= 0 and <= 3\)"),
-    ("logging.wandb_mode=cloud", r"`logging.wandb_mode`: 'cloud' is not one of \('offline', 'online', 'disabled'\)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.zero_stage=4", r"`trainer.zero_stage`: 4 is out of range \(must be >= 0 and <= 3\)"),
+        (
+            "logging.wandb_mode=cloud",
+            r"`logging.wandb_mode`: 'cloud' is not one of \('offline', 'online', 'disabled'\)",
+        ),
+    ],
+)
 def test_a_declared_check_refuses_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ROOT / "configs" / "local.yaml", ["run_name=r", override])
@@ -52,14 +58,17 @@ def test_testing_hooks_are_refused_in_a_users_run_unless_asked_for():
         check_testing(cfg, environ={"DSPARK_TESTING": "0"})
 
 
-@pytest.mark.parametrize("override, key", [
-    ("topology.groups.0.cpus_per_replica=-1", "topology.groups.0.cpus_per_replica"),
-    ("topology.groups.0.gpus_per_node=-2", "topology.groups.0.gpus_per_node"),
-    ("topology.groups.0.replay_samples_per_s=-0.5", "topology.groups.0.replay_samples_per_s"),
-    ("topology.groups.0.trainer_nodes=0", "topology.groups.0.trainer_nodes"),
-    ("capacity.rank_tokens_per_s=0", "capacity.rank_tokens_per_s"),
-    ("topology.groups.0.cpus_per_trainer_rank=.nan", "topology.groups.0.cpus_per_trainer_rank"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("topology.groups.0.cpus_per_replica=-1", "topology.groups.0.cpus_per_replica"),
+        ("topology.groups.0.gpus_per_node=-2", "topology.groups.0.gpus_per_node"),
+        ("topology.groups.0.replay_samples_per_s=-0.5", "topology.groups.0.replay_samples_per_s"),
+        ("topology.groups.0.trainer_nodes=0", "topology.groups.0.trainer_nodes"),
+        ("capacity.rank_tokens_per_s=0", "capacity.rank_tokens_per_s"),
+        ("topology.groups.0.cpus_per_trainer_rank=.nan", "topology.groups.0.cpus_per_trainer_rank"),
+    ],
+)
 def test_a_bad_value_inside_a_list_of_sections_is_refused_naming_its_path(override, key):
     """The range checks walk lists of sections (`topology.groups[*]`) as an override names them:
     a negative CPU count fails here, before any actor starts, not inside Ray's placement."""

@@ -18,7 +18,9 @@ def test_shipped_configs_load():
     assert k3.drafter.num_layers == 5 and k3.drafter.block_size == 8 and k3.target.kv_cache_dtype == "fp8"
     assert k3.transport.protocol == "rdma" and len(k3.topology.groups) == 4
     two = load_config(ROOT / "configs" / "local_2groups.yaml")
-    assert [g.name for g in two.topology.groups] == ["g0", "g1"] and all(g.trainer_ranks == 1 for g in two.topology.groups)
+    assert [g.name for g in two.topology.groups] == ["g0", "g1"] and all(
+        g.trainer_ranks == 1 for g in two.topology.groups
+    )
     one_node = load_config(ROOT / "configs" / "single_node_8gpu.yaml")
     assert one_node.target.tensor_parallel_size == 4 and one_node.topology.groups[0].trainer_ranks == 4
 
@@ -26,8 +28,8 @@ def test_shipped_configs_load():
 def test_kimi_k3_config_is_what_it_claims():
     """Aux layers spread over the target's depth, a drafter whose recipe drafts probabilistically
     (the full vocabulary), an autoscaler with room to act, a public verifier id, remote code on."""
-    from cluster.scaling import drafter_size, target_config
     from cluster.config_checks import check_against_target
+    from cluster.scaling import drafter_size, target_config
     from dspark.config import default_aux_layer_ids
     from dspark.recipe import speculative_config
 
@@ -39,18 +41,23 @@ def test_kimi_k3_config_is_what_it_claims():
     size.config.verifier_name_or_path = k3.target.name
     assert speculative_config(size.config.to_speculators_dict(), "d")["draft_sample_method"] == "probabilistic"
     assert k3.autoscaler.enabled and all(
-        g.min_replicas < g.max_replicas and g.trainer_rank_bounds()[0] < g.trainer_rank_bounds()[1] for g in k3.topology.groups)
+        g.min_replicas < g.max_replicas and g.trainer_rank_bounds()[0] < g.trainer_rank_bounds()[1]
+        for g in k3.topology.groups
+    )
     assert k3.target.name == "moonshotai/Kimi-K3" and k3.target.trust_remote_code
 
 
-@pytest.mark.parametrize("override, key", [
-    (["trainer.lrr=1"], "trainer.lrr"),
-    (["trainer.lr=fast"], "trainer.lr"),
-    (["drafter.mode=eagle"], "drafter.mode"),
-    (["nonsense=1"], "nonsense"),
-    (["transport.low_watermark=0.9"], "transport.low_watermark"),
-    (["transport.segment_mb=8"], "transport.segment_mb"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["trainer.lrr=1"], "trainer.lrr"),
+        (["trainer.lr=fast"], "trainer.lr"),
+        (["drafter.mode=eagle"], "drafter.mode"),
+        (["nonsense=1"], "nonsense"),
+        (["transport.low_watermark=0.9"], "transport.low_watermark"),
+        (["transport.segment_mb=8"], "transport.segment_mb"),
+    ],
+)
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(ROOT / "configs" / "local.yaml", override)
@@ -83,7 +90,9 @@ def test_replay_replicas_take_no_gpu():
     vllm = load_config(ROOT / "configs" / "local.yaml", gpu_job)
     with pytest.raises(PlacementError, match="missing 1 node"):
         check_topology(vllm, fake_nodes(1, 1))
-    replay = load_config(ROOT / "configs" / "local.yaml", [*gpu_job, "inference.backend=replay", "inference.replay_dir=/samples"])
+    replay = load_config(
+        ROOT / "configs" / "local.yaml", [*gpu_job, "inference.backend=replay", "inference.replay_dir=/samples"]
+    )
     check_topology(replay, fake_nodes(1, 1))
     replica, trainer = role_specs(replay)
     assert replica.bundles == [{"CPU": 1.0}] and trainer.bundles == [{"GPU": 1.0, "CPU": 1.0}]
@@ -102,8 +111,9 @@ def test_topology_check_names_missing_resource():
         check_topology(k3, fake_nodes(24, 2))
     with pytest.raises(PlacementError, match="GPU"):
         check_topology(k3, fake_nodes(8, 4))
-    local = load_config(ROOT / "configs" / "local.yaml", ["topology.groups.0.inference_replicas=3",
-                                                          "topology.groups.0.max_replicas=3"])
+    local = load_config(
+        ROOT / "configs" / "local.yaml", ["topology.groups.0.inference_replicas=3", "topology.groups.0.max_replicas=3"]
+    )
     with pytest.raises(PlacementError, match="CPU"):
         check_topology(local, [{"Alive": True, "Resources": {"CPU": 2}}])
 

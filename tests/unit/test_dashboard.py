@@ -10,12 +10,12 @@ import json
 import re
 from pathlib import Path
 
+from cluster.config import AutoscalerConfig
 from cluster.data import GroupCounts, LedgerCounts
 from cluster.job import TrainingStats
 from cluster.job.progress import TRAIN_METRICS, ProgressReporter
 from cluster.metrics import Metrics
 from cluster.scaling.autoscaler import Autoscaler
-from cluster.config import AutoscalerConfig
 from cluster.scaling.policy import GroupState
 from cluster.training import StepResult
 from tests.unit.test_metrics import FakeBackend
@@ -49,8 +49,16 @@ class Services:
 def exported() -> set[str]:
     """Every series the job sets, named as Prometheus shows them."""
     metrics = Metrics(tags={"run": "r"}, backend=FakeBackend)
-    step = StepResult(step=1, rank=0, skipped=False, nonfinite=False, tokens=10, step_s=0.5, lr=1e-4,
-                      figures={k: 1.0 for k in TRAIN_METRICS if k != "lr"})
+    step = StepResult(
+        step=1,
+        rank=0,
+        skipped=False,
+        nonfinite=False,
+        tokens=10,
+        step_s=0.5,
+        lr=1e-4,
+        figures={k: 1.0 for k in TRAIN_METRICS if k != "lr"},
+    )
     reporter = ProgressReporter(metrics, Ledger(), {"g0": Pool()}, TrainingStats(step=1, last=step), Services())
     reporter.on_step(1, [step])
     reporter.report()

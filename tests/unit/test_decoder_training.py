@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dspark import eval_sets, evaluate, train_offline
+from dspark.chat import render_prompt
 from dspark.checkpoint import load_drafter
 from dspark.decoder import SpeculativeDecoder, greedy_mismatches, greedy_mismatches_many, target_generate
 from dspark.model import ContextCache
 from dspark.samples import PackedBatch, Sample, write_sample
 from dspark.scheduler import StepRateTable
-from dspark.chat import render_prompt
 from dspark.targets import hidden_states_for, load_target
 from tests.helpers import make_drafter
 
@@ -47,9 +47,33 @@ def sample_dir(tiny_target, target, tmp_path_factory):
 
 
 def train_args(tiny_target, sample_dir, out, *extra):
-    return ["--target", str(tiny_target), "--data", str(sample_dir), "--out", str(out), "--num-layers", "1",
-            "--block-size", "4", "--markov-rank", "32", "--batch-tokens", "600", "--num-anchors", "16", "--lr", "3e-3",
-            "--heldout-fraction", "0.1", "--checkpoint-every", "1000", "--threads", "2", *extra]
+    return [
+        "--target",
+        str(tiny_target),
+        "--data",
+        str(sample_dir),
+        "--out",
+        str(out),
+        "--num-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--markov-rank",
+        "32",
+        "--batch-tokens",
+        "600",
+        "--num-anchors",
+        "16",
+        "--lr",
+        "3e-3",
+        "--heldout-fraction",
+        "0.1",
+        "--checkpoint-every",
+        "1000",
+        "--threads",
+        "2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +100,14 @@ def test_inference_matches_teacher_forcing(tiny_target, target):
     t = seq.numel()
     aux = torch.zeros(t, n_aux * cfg.hidden_size)
     aux[: len(ids) - 1] = hidden[:-1, :n_aux].reshape(len(ids) - 1, -1)
-    batch = PackedBatch(seq, torch.arange(t), torch.zeros(t, dtype=torch.long), torch.ones(t, dtype=torch.bool),
-                        aux, torch.zeros(t, cfg.hidden_size))
+    batch = PackedBatch(
+        seq,
+        torch.arange(t),
+        torch.zeros(t, dtype=torch.long),
+        torch.ones(t, dtype=torch.bool),
+        aux,
+        torch.zeros(t, cfg.hidden_size),
+    )
     out = drafter(batch, torch.tensor([len(ids) - 1]))
     assert out.logits[0].argmax(-1).tolist() == prop.tokens.tolist()
     torch.testing.assert_close(torch.sigmoid(out.confidence_logits[0]), prop.confidence, atol=1e-5, rtol=1e-5)
@@ -117,8 +147,14 @@ def test_batched_decoding_is_the_sequential_decoding(tiny_target, target, traine
     and the acceptance counts it gets alone; with the prefix scheduler, still lossless."""
     model, tok = target
     drafter = load_drafter(trained / "final", tiny_target).eval()
-    texts = ["Tell me about item number 7 and why it matters.", "Hi", PROMPTS[11] + " Please answer at length, " * 6,
-             "Tell me about number 99 and 100.", PROMPTS[2], "Why?"]
+    texts = [
+        "Tell me about item number 7 and why it matters.",
+        "Hi",
+        PROMPTS[11] + " Please answer at length, " * 6,
+        "Tell me about number 99 and 100.",
+        PROMPTS[2],
+        "Why?",
+    ]
     prompts = [render_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
     assert len({len(p) for p in prompts}) >= 5
     stop = {tok.eos_token_id}
@@ -128,8 +164,9 @@ def test_batched_decoding_is_the_sequential_decoding(tiny_target, target, traine
     # the whole block per forward, and a block checked one or two drafts per forward (the rest
     # once those survived): the same acceptance as the one-at-a-time decoder's, block by block
     for width in (None, 1, 2):
-        together = SpeculativeDecoder(model, drafter, verify_width=width).generate_many(prompts, 40, stop,
-                                                                                         max_batch_rows=4)
+        together = SpeculativeDecoder(model, drafter, verify_width=width).generate_many(
+            prompts, 40, stop, max_batch_rows=4
+        )
         assert [o for o, _ in together] == refs, width
         for (_, a), (_, b) in zip(alone, together):
             assert (a.steps, a.accepted_at, a.drafted_at) == (b.steps, b.accepted_at, b.drafted_at), width
@@ -153,8 +190,9 @@ def test_one_pass_lossless_check_finds_a_wrong_token(tiny_target, target):
     wrong = list(out)
     wrong[3] = (wrong[3] + 1) % 49152
     for rows, budget in ((2, 8192), (8, 8192), (8, 1)):  # (8, 1): a forward per row, the token budget binding
-        got = greedy_mismatches_many(model, [ids, other, ids, other], [out, short, wrong, []], max_rows=rows,
-                                     max_batch_tokens=budget)
+        got = greedy_mismatches_many(
+            model, [ids, other, ids, other], [out, short, wrong, []], max_rows=rows, max_batch_tokens=budget
+        )
         assert got[0] == [] and got[1] == [] and got[2][0] == 3 and got[3] == []
 
 
@@ -163,14 +201,19 @@ def test_sampling_decoders_run(tiny_target, target, trained):
     drafter = load_drafter(trained / "final", tiny_target).eval()
     ids = render_prompt(tok, [{"role": "user", "content": PROMPTS[3]}])
     for rej in ("standard", "block"):
-        out, stats = SpeculativeDecoder(model, drafter, "probabilistic", rej, temperature=0.7, seed=1).generate(ids, 30, {2})
+        out, stats = SpeculativeDecoder(model, drafter, "probabilistic", rej, temperature=0.7, seed=1).generate(
+            ids, 30, {2}
+        )
         assert 0 < len(out) <= 30 and stats.tau >= 1.0
 
 
 def test_resume_mid_epoch_is_exact(tiny_target, sample_dir, tmp_path):
     straight, interrupted = tmp_path / "a", tmp_path / "b"
     assert train_offline.main(train_args(tiny_target, sample_dir, straight, "--max-steps", "8")) == 0
-    assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "8", "--stop-at-step", "5")) == 0
+    assert (
+        train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "8", "--stop-at-step", "5"))
+        == 0
+    )
     assert not (interrupted / "final").exists()
     assert train_offline.main(train_args(tiny_target, sample_dir, interrupted, "--max-steps", "8", "--resume")) == 0
     a = load_drafter(straight / "final", tiny_target).trainable_state_dict()
@@ -183,17 +226,37 @@ def test_resume_mid_epoch_is_exact(tiny_target, sample_dir, tmp_path):
 
 def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    rows = [{"prompt": "Tell me about item number 3 and why it matters.", "category": "explain"},
-            {"messages": [{"role": "user", "content": "Tell me about number 12."}], "category": "explain"},
-            {"prompt": "Write a haiku about the number 7.", "category": "writing"},
-            {"prompt": "List three prime numbers."}]
+    rows = [
+        {"prompt": "Tell me about item number 3 and why it matters.", "category": "explain"},
+        {"messages": [{"role": "user", "content": "Tell me about number 12."}], "category": "explain"},
+        {"prompt": "Write a haiku about the number 7.", "category": "writing"},
+        {"prompt": "List three prime numbers."},
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "r.json"
-    rc = evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--prompts", str(prompts),
-                        "--max-new-tokens", "24", "--json", str(out)])
+    rc = evaluate.main(
+        [
+            "--target",
+            str(tiny_target),
+            "--drafter",
+            str(trained / "final"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0 and r["lossless"] is True and r["num_prompts"] == 4
-    for key in ("tau", "per_position_acceptance", "generated_tokens", "target_only_tokens_per_s", "speculative_tokens_per_s"):
+    for key in (
+        "tau",
+        "per_position_acceptance",
+        "generated_tokens",
+        "target_only_tokens_per_s",
+        "speculative_tokens_per_s",
+    ):
         assert key in r
     assert len(r["per_position_acceptance"]) == 4
     assert r["tau"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
@@ -212,11 +275,45 @@ def test_evaluate_cli_contract(tiny_target, trained, tmp_path):
     other = tmp_path / "q.jsonl"
     other.write_text(json.dumps({"prompt": "Why does item number 9 matter?", "category": "chat"}) + "\n")
     both = [tmp_path / "both-p.json", tmp_path / "both-q.json"]
-    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--max-new-tokens", "24",
-                          "--prompts", str(prompts), "--json", str(both[0]), "--prompts", str(other), "--json", str(both[1])]) == 0
+    assert (
+        evaluate.main(
+            [
+                "--target",
+                str(tiny_target),
+                "--drafter",
+                str(trained / "final"),
+                "--max-new-tokens",
+                "24",
+                "--prompts",
+                str(prompts),
+                "--json",
+                str(both[0]),
+                "--prompts",
+                str(other),
+                "--json",
+                str(both[1]),
+            ]
+        )
+        == 0
+    )
     alone = tmp_path / "q-alone.json"
-    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(trained / "final"), "--max-new-tokens", "24",
-                          "--prompts", str(other), "--json", str(alone)]) == 0
+    assert (
+        evaluate.main(
+            [
+                "--target",
+                str(tiny_target),
+                "--drafter",
+                str(trained / "final"),
+                "--max-new-tokens",
+                "24",
+                "--prompts",
+                str(other),
+                "--json",
+                str(alone),
+            ]
+        )
+        == 0
+    )
     for got, want in ((both[0], out), (both[1], alone)):
         g, w = json.loads(got.read_text()), json.loads(want.read_text())
         assert g["requests"] == w["requests"] and g["tau"] == w["tau"] and g["num_prompts"] == w["num_prompts"]
@@ -232,31 +329,77 @@ def test_evaluate_plan_judges_each_set_its_own_way(tiny_target, trained, tmp_pat
 
     final = trained / "final"
     short = tmp_path / "short.jsonl"
-    short.write_text("".join(json.dumps({"id": f"s{i}", "prompt": f"Tell me about item number {i}.", "category": c}) + "\n"
-                             for i, c in enumerate(["a", "b", "a", "b"])))
-    long = tmp_path / "long.jsonl"  # two prompts under 512 tokens, two between 512 and 1535 (the tiny target's limit: 1024)
+    short.write_text(
+        "".join(
+            json.dumps({"id": f"s{i}", "prompt": f"Tell me about item number {i}.", "category": c}) + "\n"
+            for i, c in enumerate(["a", "b", "a", "b"])
+        )
+    )
+    long = (
+        tmp_path / "long.jsonl"
+    )  # two prompts under 512 tokens, two between 512 and 1535 (the tiny target's limit: 1024)
     filler = " ".join(f"item {i}" for i in range(170))  # ~600 tokens
-    long.write_text("".join(json.dumps({"id": i, "prompt": p, "category": c}) + "\n" for i, p, c in [
-        ("l0", "Why does item 9 matter?", "x"), ("l1", "And item 10?", "y"),
-        ("l2", filler + " Which item comes last?", "x"), ("l3", filler + " Which item comes first?", "y")]))
+    long.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": p, "category": c}) + "\n"
+            for i, p, c in [
+                ("l0", "Why does item 9 matter?", "x"),
+                ("l1", "And item 10?", "y"),
+                ("l2", filler + " Which item comes last?", "x"),
+                ("l3", filler + " Which item comes first?", "y"),
+            ]
+        )
+    )
     out = {k: str(tmp_path / f"{k}.json") for k in ("greedy", "sampled", "long", "alone")}
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps([
-        {"prompts": str(short), "json": out["greedy"], "limit": 2, "max_new_tokens": 16},
-        {"prompts": str(short), "json": out["sampled"], "limit": 3, "max_new_tokens": 16, "temperature": 0.7, "recipe": True,
-         "budget_s": 1e-6},  # the first prompt always runs, then nothing fits
-        {"prompts": str(long), "json": out["long"], "max_new_tokens": 8, "per_length_bucket": 1}]))
+    plan.write_text(
+        json.dumps(
+            [
+                {"prompts": str(short), "json": out["greedy"], "limit": 2, "max_new_tokens": 16},
+                {
+                    "prompts": str(short),
+                    "json": out["sampled"],
+                    "limit": 3,
+                    "max_new_tokens": 16,
+                    "temperature": 0.7,
+                    "recipe": True,
+                    "budget_s": 1e-6,
+                },  # the first prompt always runs, then nothing fits
+                {"prompts": str(long), "json": out["long"], "max_new_tokens": 8, "per_length_bucket": 1},
+            ]
+        )
+    )
     assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--plan", str(plan)]) == 0
-    assert evaluate.main(["--target", str(tiny_target), "--drafter", str(final), "--prompts", str(short), "--json",
-                          out["alone"], "--limit", "2", "--max-new-tokens", "16"]) == 0
+    assert (
+        evaluate.main(
+            [
+                "--target",
+                str(tiny_target),
+                "--drafter",
+                str(final),
+                "--prompts",
+                str(short),
+                "--json",
+                out["alone"],
+                "--limit",
+                "2",
+                "--max-new-tokens",
+                "16",
+            ]
+        )
+        == 0
+    )
     greedy, sampled, lc, alone = (json.loads(open(out[k]).read()) for k in ("greedy", "sampled", "long", "alone"))
     assert greedy["requests"] == alone["requests"] and greedy["lossless"] is True
     assert [r["id"] for r in greedy["requests"]] == ["s0", "s1"]  # round-robin over categories
 
     served = speculative_config(json.loads((final / "config.json").read_text()), "target")
     s = sampled["settings"]
-    assert (s["draft_sample_method"], s["rejection_sample_method"], s["num_speculative_tokens"]) == \
-        (served["draft_sample_method"], served["rejection_sample_method"], served["num_speculative_tokens"])
+    assert (s["draft_sample_method"], s["rejection_sample_method"], s["num_speculative_tokens"]) == (
+        served["draft_sample_method"],
+        served["rejection_sample_method"],
+        served["num_speculative_tokens"],
+    )
     assert s["temperature"] == 0.7 and s["served_recipe"] and sampled["lossless"] is None
     assert [r["id"] for r in sampled["requests"]] == ["s0"] and sampled["tau"] is not None
     assert sampled["left_out_for_time"] == ["s1", "s2"] and greedy["left_out_for_time"] == []
@@ -306,11 +449,14 @@ def test_a_budget_leaves_out_the_prompts_that_would_not_fit(monkeypatch):
 
 def test_plan_files_are_checked(tmp_path):
     plan = tmp_path / "plan.json"
-    for bad, match in [([], "a JSON list of sets"), ([{"prompts": "p"}], "mapping with prompts and json"),
-                       ([{"prompts": "p", "json": "o", "temprature": 1}], "mapping with prompts and json"),
-                       ([{"prompts": "p", "json": "o", "per_length_bucket": 0}], "per_length_bucket"),
-                       ([{"prompts": "p", "json": "o", "max_prompt_tokens": 10}], "goes with per_length_bucket"),
-                       ([{"prompts": "p", "json": "o", "budget_s": 0}], "budget_s must be > 0")]:
+    for bad, match in [
+        ([], "a JSON list of sets"),
+        ([{"prompts": "p"}], "mapping with prompts and json"),
+        ([{"prompts": "p", "json": "o", "temprature": 1}], "mapping with prompts and json"),
+        ([{"prompts": "p", "json": "o", "per_length_bucket": 0}], "per_length_bucket"),
+        ([{"prompts": "p", "json": "o", "max_prompt_tokens": 10}], "goes with per_length_bucket"),
+        ([{"prompts": "p", "json": "o", "budget_s": 0}], "budget_s must be > 0"),
+    ]:
         plan.write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=match):
             evaluate.plan_sets(evaluate.parse_args(["--target", "t", "--drafter", "d", "--plan", str(plan)]))

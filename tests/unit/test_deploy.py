@@ -111,11 +111,13 @@ def worker_nodes(cfg: JobConfig) -> tuple[int, int, int]:
 def pod_specs(rayjob: dict) -> list[tuple[str, dict]]:
     spec = rayjob["spec"]["rayClusterSpec"]
     return [("head", spec["headGroupSpec"]["template"]["spec"])] + [
-        (f"worker group {w['groupName']}", w["template"]["spec"]) for w in spec["workerGroupSpecs"]]
+        (f"worker group {w['groupName']}", w["template"]["spec"]) for w in spec["workerGroupSpecs"]
+    ]
 
 
-def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, constraints: str,
-                          cfg: JobConfig | None = None) -> list[str]:
+def deployment_mismatches(
+    docs: list[dict], dockerfile: str, pyproject: dict, constraints: str, cfg: JobConfig | None = None
+) -> list[str]:
     """Every way the manifest, the config its entrypoint runs, the Dockerfile, the constraints and
     pyproject disagree, in words; empty when they agree. `cfg`: the config to hold the manifest to;
     by default the one its entrypoint names, loaded with the entrypoint's overrides."""
@@ -140,12 +142,16 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
         return ROOT / path
 
     if len(argv) < 4 or argv[0] not in ("python", "python3") or argv[2] != "--config":
-        return bad + [f"entrypoint {spec.get('entrypoint')!r} is not `python {JOB_SCRIPT} --config CONFIG [key=value ...]`"]
+        return bad + [
+            f"entrypoint {spec.get('entrypoint')!r} is not `python {JOB_SCRIPT} --config CONFIG [key=value ...]`"
+        ]
     if in_repo(argv[1]) != ROOT / JOB_SCRIPT:
         bad.append(f"entrypoint runs {argv[1]}, not {JOB_SCRIPT} under the image's WORKDIR {workdir}")
     config_path, overrides = in_repo(argv[3]), argv[4:]
     if config_path != CONFIG:
-        bad.append(f"entrypoint's config {argv[3]} is not {CONFIG.relative_to(ROOT)} (in the image's WORKDIR {workdir})")
+        bad.append(
+            f"entrypoint's config {argv[3]} is not {CONFIG.relative_to(ROOT)} (in the image's WORKDIR {workdir})"
+        )
     if not config_path.exists():
         return bad + [f"entrypoint's config {argv[3]} does not exist in the image ({config_path})"]
     if any("=" not in o or o.startswith("-") for o in overrides):
@@ -161,26 +167,39 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
     start, lo, hi = worker_nodes(cfg)
     total = sum(w.get("replicas", 0) for w in workers)
     if total != start:
-        bad.append(f"worker replicas {total} != the config's {start} nodes "
-                   f"(groups x (nodes_per_replica x inference_replicas + trainer_nodes))")
+        bad.append(
+            f"worker replicas {total} != the config's {start} nodes "
+            f"(groups x (nodes_per_replica x inference_replicas + trainer_nodes))"
+        )
     for w in workers:
         if w.get("minReplicas") != lo:
-            bad.append(f"worker group {w['groupName']}: minReplicas {w.get('minReplicas')} != {lo}, the fewest nodes the "
-                       "config's min_replicas and min_trainer_ranks leave")
+            bad.append(
+                f"worker group {w['groupName']}: minReplicas {w.get('minReplicas')} != {lo}, the fewest nodes the "
+                "config's min_replicas and min_trainer_ranks leave"
+            )
         top = w.get("maxReplicas", 2**31 - 1)
         if not start <= top <= hi:
-            bad.append(f"worker group {w['groupName']}: maxReplicas {top} outside [{start}, {hi}] (the configured nodes, "
-                       "the most the job's autoscaler could ask for)")
+            bad.append(
+                f"worker group {w['groupName']}: maxReplicas {top} outside [{start}, {hi}] (the configured nodes, "
+                "the most the job's autoscaler could ask for)"
+            )
         if len(gpus) == 1 and top * next(iter(gpus)) > NVLINK_DOMAIN_GPUS:
-            bad.append(f"worker group {w['groupName']}: {top} pods x {next(iter(gpus))} GPUs exceed one NVL72 NVLink domain")
+            bad.append(
+                f"worker group {w['groupName']}: {top} pods x {next(iter(gpus))} GPUs exceed one NVL72 NVLink domain"
+            )
     if len(gpus) != 1:
         bad.append(f"groups disagree on gpus_per_node {sorted(gpus)}: one worker group cannot serve them")
-    need_cpus = max(max(g.trainer_ranks_per_node * g.cpus_per_trainer_rank,
-                        cfg.target.tensor_parallel_size // cfg.target.nodes_per_replica * g.cpus_per_replica)
-                    for g in cfg.topology.groups)
+    need_cpus = max(
+        max(
+            g.trainer_ranks_per_node * g.cpus_per_trainer_rank,
+            cfg.target.tensor_parallel_size // cfg.target.nodes_per_replica * g.cpus_per_replica,
+        )
+        for g in cfg.topology.groups
+    )
     segment = cfg.transport.segment_mb * 2**20
-    claim_templates = {d["spec"]["channel"]["resourceClaimTemplate"]["name"]
-                       for d in docs if d and d.get("kind") == "ComputeDomain"}
+    claim_templates = {
+        d["spec"]["channel"]["resourceClaimTemplate"]["name"] for d in docs if d and d.get("kind") == "ComputeDomain"
+    }
     for w in workers:
         pod = w["template"]["spec"]
         (c,) = [c for c in pod["containers"] if c["name"] == "ray-worker"] or [None]
@@ -191,24 +210,34 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
         for kind in ("requests", "limits"):
             n = res.get(kind, {}).get("nvidia.com/gpu")
             if len(gpus) == 1 and (n is None or int(n) != next(iter(gpus))):
-                bad.append(f"worker group {w['groupName']}: {kind} nvidia.com/gpu {n} != gpus_per_node {next(iter(gpus))}")
+                bad.append(
+                    f"worker group {w['groupName']}: {kind} nvidia.com/gpu {n} != gpus_per_node {next(iter(gpus))}"
+                )
         cpus = quantity(res.get("limits", {}).get("cpu", 0))
         if cpus < need_cpus:
-            bad.append(f"worker group {w['groupName']}: {cpus:g} CPUs < {need_cpus:g} that a trainer or replica tray reserves")
+            bad.append(
+                f"worker group {w['groupName']}: {cpus:g} CPUs < {need_cpus:g} that a trainer or replica tray reserves"
+            )
         shm = [v for v in pod.get("volumes", []) if v["name"] == "dshm"]
         shm_size = quantity(shm[0]["emptyDir"].get("sizeLimit", 0)) if shm else 0
         if shm_size < segment:
-            bad.append(f"worker group {w['groupName']}: /dev/shm {shm_size / 2**30:g} GiB < the store segment "
-                       f"(transport.segment_mb = {cfg.transport.segment_mb})")
+            bad.append(
+                f"worker group {w['groupName']}: /dev/shm {shm_size / 2**30:g} GiB < the store segment "
+                f"(transport.segment_mb = {cfg.transport.segment_mb})"
+            )
         if quantity(res.get("limits", {}).get("memory", 0)) < shm_size + segment:
             bad.append(f"worker group {w['groupName']}: memory limit below /dev/shm + the store segment")
         if "IPC_LOCK" not in c.get("securityContext", {}).get("capabilities", {}).get("add", []):
             bad.append(f"worker group {w['groupName']}: no IPC_LOCK (RDMA pins the store's memory)")
         if not any(k.startswith("rdma/") for k in res.get("limits", {})):
-            bad.append(f"worker group {w['groupName']}: no RDMA device resource (transport.protocol={cfg.transport.protocol})")
+            bad.append(
+                f"worker group {w['groupName']}: no RDMA device resource (transport.protocol={cfg.transport.protocol})"
+            )
         claims = {rc.get("resourceClaimTemplateName") for rc in pod.get("resourceClaims", [])}
         if not claim_templates or not claim_templates & claims:
-            bad.append(f"worker group {w['groupName']}: not in the ComputeDomain (TP across trays needs multi-node NVLink)")
+            bad.append(
+                f"worker group {w['groupName']}: not in the ComputeDomain (TP across trays needs multi-node NVLink)"
+            )
     if cfg.transport.protocol != "rdma":
         bad.append(f"the config moves hidden states over {cfg.transport.protocol}, not rdma")
 
@@ -246,7 +275,9 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
         if d and d.get("kind") == "Secret":
             bad.append(f"a Secret {d['metadata']['name']} is in the manifest: tokens stay out of git")
     for where, pod in pod_specs(rayjob):
-        secret_volumes = {v["name"] for v in pod.get("volumes", []) if v.get("secret", {}).get("secretName") == auth.get("secretName")}
+        secret_volumes = {
+            v["name"] for v in pod.get("volumes", []) if v.get("secret", {}).get("secretName") == auth.get("secretName")
+        }
         pvc = {v["name"] for v in pod.get("volumes", []) if v.get("persistentVolumeClaim")}
         for c in pod["containers"]:
             env = {e["name"]: e for e in c.get("env", [])}
@@ -272,10 +303,12 @@ def deployment_mismatches(docs: list[dict], dockerfile: str, pyproject: dict, co
 
 @pytest.fixture(scope="module")
 def shipped():
-    return {"docs": list(yaml.safe_load_all(MANIFEST.read_text())),
-            "dockerfile": (ROOT / "Dockerfile").read_text(),
-            "pyproject": tomllib.loads((ROOT / "pyproject.toml").read_text()),
-            "constraints": (ROOT / "constraints" / "gpu.txt").read_text()}
+    return {
+        "docs": list(yaml.safe_load_all(MANIFEST.read_text())),
+        "dockerfile": (ROOT / "Dockerfile").read_text(),
+        "pyproject": tomllib.loads((ROOT / "pyproject.toml").read_text()),
+        "constraints": (ROOT / "constraints" / "gpu.txt").read_text(),
+    }
 
 
 def test_shipped_deployment_agrees_with_the_config(shipped):
@@ -307,40 +340,80 @@ def _head_container(docs):
 
 
 def _set_env(container, name, value):
-    container["env"] = [e for e in container["env"] if e["name"] != name] + ([{"name": name, "value": value}] if value else [])
+    container["env"] = [e for e in container["env"] if e["name"] != name] + (
+        [{"name": name, "value": value}] if value else []
+    )
 
 
 # Each change breaks one agreement; the mismatch found must name it.
 CHANGES = {
     "one worker too few": (lambda s: _worker(s["docs"]).update(replicas=11), "worker replicas 11"),
     "more trays than a rack": (lambda s: _worker(s["docs"]).update(maxReplicas=24), "NVL72"),
-    "8-GPU pods": (lambda s: _worker_container(s["docs"])["resources"]["limits"].update({"nvidia.com/gpu": "8"}),
-                   "limits nvidia.com/gpu 8"),
+    "8-GPU pods": (
+        lambda s: _worker_container(s["docs"])["resources"]["limits"].update({"nvidia.com/gpu": "8"}),
+        "limits nvidia.com/gpu 8",
+    ),
     "too few CPUs": (lambda s: _worker_container(s["docs"])["resources"]["limits"].update(cpu="32"), "32 CPUs"),
-    "another config": (lambda s: _rayjob(s["docs"])["spec"].update(
-        entrypoint="python /opt/dspark-cluster/jobs/train_kimi_k3.py --config /opt/dspark-cluster/configs/local.yaml"),
-        "configs/kimi_k3.yaml"),
-    "a plan, not the job": (lambda s: _rayjob(s["docs"])["spec"].update(
-        entrypoint=_rayjob(s["docs"])["spec"]["entrypoint"] + " --plan"), "--plan"),
-    "an override that changes the topology": (lambda s: _rayjob(s["docs"])["spec"].update(
-        entrypoint=_rayjob(s["docs"])["spec"]["entrypoint"] + " topology.groups.0.inference_replicas=2"), "!= the config's 14"),
-    "another WORKDIR": (lambda s: s.update(dockerfile=s["dockerfile"].replace("WORKDIR /opt/dspark-cluster", "WORKDIR /app")),
-                        "not jobs/train_kimi_k3.py"),
-    "head on another image": (lambda s: _head_container(s["docs"]).update(image="registry.example.com/dspark-cluster:0.0.9"),
-                              "one image"),
-    "another vLLM base": (lambda s: s.update(dockerfile=s["dockerfile"].replace("vllm-openai:v0.32.0", "vllm-openai:v0.33.0")),
-                          "is not vLLM 0.32.0"),
-    "no benchmarks in the image": (lambda s: s.update(dockerfile=s["dockerfile"].replace("COPY benchmarks ./benchmarks", "")),
-                                   "does not copy ['benchmarks']"),
-    "constraints drift": (lambda s: s.update(constraints=s["constraints"].replace("vllm==0.32.0", "vllm==0.31.0")),
-                          "pins vllm 0.31.0"),
+    "another config": (
+        lambda s: _rayjob(s["docs"])["spec"].update(
+            entrypoint="python /opt/dspark-cluster/jobs/train_kimi_k3.py "
+            "--config /opt/dspark-cluster/configs/local.yaml"
+        ),
+        "configs/kimi_k3.yaml",
+    ),
+    "a plan, not the job": (
+        lambda s: _rayjob(s["docs"])["spec"].update(entrypoint=_rayjob(s["docs"])["spec"]["entrypoint"] + " --plan"),
+        "--plan",
+    ),
+    "an override that changes the topology": (
+        lambda s: _rayjob(s["docs"])["spec"].update(
+            entrypoint=_rayjob(s["docs"])["spec"]["entrypoint"] + " topology.groups.0.inference_replicas=2"
+        ),
+        "!= the config's 14",
+    ),
+    "another WORKDIR": (
+        lambda s: s.update(dockerfile=s["dockerfile"].replace("WORKDIR /opt/dspark-cluster", "WORKDIR /app")),
+        "not jobs/train_kimi_k3.py",
+    ),
+    "head on another image": (
+        lambda s: _head_container(s["docs"]).update(image="registry.example.com/dspark-cluster:0.0.9"),
+        "one image",
+    ),
+    "another vLLM base": (
+        lambda s: s.update(dockerfile=s["dockerfile"].replace("vllm-openai:v0.32.0", "vllm-openai:v0.33.0")),
+        "is not vLLM 0.32.0",
+    ),
+    "no benchmarks in the image": (
+        lambda s: s.update(dockerfile=s["dockerfile"].replace("COPY benchmarks ./benchmarks", "")),
+        "does not copy ['benchmarks']",
+    ),
+    "constraints drift": (
+        lambda s: s.update(constraints=s["constraints"].replace("vllm==0.32.0", "vllm==0.31.0")),
+        "pins vllm 0.31.0",
+    ),
     "no auth": (lambda s: _rayjob(s["docs"])["spec"]["rayClusterSpec"].pop("authOptions"), "authOptions {}"),
-    "auth off in a pod": (lambda s: _set_env(_worker_container(s["docs"]), "RAY_AUTH_MODE", "disabled"), "RAY_AUTH_MODE is not token"),
-    "a token in the file": (lambda s: _set_env(_head_container(s["docs"]), "RAY_AUTH_TOKEN", "abc"), "literal RAY_AUTH_TOKEN"),
-    "no NCCL interface": (lambda s: _set_env(_worker_container(s["docs"]), "NCCL_SOCKET_IFNAME", None), "NCCL_SOCKET_IFNAME"),
-    "no shared volume": (lambda s: _worker_container(s["docs"]).update(
-        volumeMounts=[m for m in _worker_container(s["docs"])["volumeMounts"] if m["mountPath"] != "/shared"]), "/shared is not mounted"),
-    "outside the NVLink domain": (lambda s: _worker(s["docs"])["template"]["spec"].update(resourceClaims=[]), "ComputeDomain"),
+    "auth off in a pod": (
+        lambda s: _set_env(_worker_container(s["docs"]), "RAY_AUTH_MODE", "disabled"),
+        "RAY_AUTH_MODE is not token",
+    ),
+    "a token in the file": (
+        lambda s: _set_env(_head_container(s["docs"]), "RAY_AUTH_TOKEN", "abc"),
+        "literal RAY_AUTH_TOKEN",
+    ),
+    "no NCCL interface": (
+        lambda s: _set_env(_worker_container(s["docs"]), "NCCL_SOCKET_IFNAME", None),
+        "NCCL_SOCKET_IFNAME",
+    ),
+    "no shared volume": (
+        lambda s: _worker_container(s["docs"]).update(
+            volumeMounts=[m for m in _worker_container(s["docs"])["volumeMounts"] if m["mountPath"] != "/shared"]
+        ),
+        "/shared is not mounted",
+    ),
+    "outside the NVLink domain": (
+        lambda s: _worker(s["docs"])["template"]["spec"].update(resourceClaims=[]),
+        "ComputeDomain",
+    ),
 }
 
 

@@ -35,8 +35,13 @@ def test_coverage_table_and_plan(gpu_check):
     assert one["served_recipe"] is None and one["trainer_nccl"] is None
     assert one["replica_tp2"] == "needs 2 GPUs, this machine has 1" and one["trainer_zero2_2r"] is not None
     assert all(v is None for v in dict(gpu_check.plan(list(gpu_check.CHECKS), 2)).values())
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--list"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "served_recipe" in out and "this machine:" in out
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
 
@@ -56,7 +61,7 @@ def test_two_sample_chi_square(gpu_check):
     assert gpu_check.two_sample_chi_square(sample(weights, 3000), sample(shifted, 3000))[2] < 1e-3
 
 
-def test_served_recipe_dry_run(gpu_check, fake_vllm):
+def test_served_recipe_dry_run(gpu_check, fake_vllm):  # noqa: F811 - the fixture imported above
     """The served evaluation's own stand-in vLLM and drafter checkpoint (tests/unit/test_served_eval.py)."""
     from tests.unit.test_served_eval import FakeLLM
 

@@ -11,14 +11,22 @@ from cluster.config_load import load_config
 from cluster.hardware import CpuInfo, cpu_quota, read_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-XEON_NO_BF16 = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n" \
-               "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+XEON_NO_BF16 = (
+    "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n"
+    "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.60GHz\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+)
 EPYC_BF16 = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
 GRAVITON = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
 
-@pytest.mark.parametrize("text, model, native", [(XEON_NO_BF16, "Intel(R) Xeon(R) CPU @ 2.60GHz", False),
-                                                 (EPYC_BF16, "AMD EPYC 9654", True), (GRAVITON, None, True)])
+@pytest.mark.parametrize(
+    "text, model, native",
+    [
+        (XEON_NO_BF16, "Intel(R) Xeon(R) CPU @ 2.60GHz", False),
+        (EPYC_BF16, "AMD EPYC 9654", True),
+        (GRAVITON, None, True),
+    ],
+)
 def test_read_cpu(tmp_path, text, model, native):
     f = tmp_path / "cpuinfo"
     f.write_text(text)
@@ -33,11 +41,19 @@ def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path):
     assert read_cpu(tmp_path / "missing").native_bf16 is False
 
 
-@pytest.mark.parametrize("native, device, dtype, precision", [
-    (False, "cpu", "float32", "fp32"), (True, "cpu", "bfloat16", "bf16-mixed"), (False, "cuda", "bfloat16", "bf16-mixed")])
+@pytest.mark.parametrize(
+    "native, device, dtype, precision",
+    [
+        (False, "cpu", "float32", "fp32"),
+        (True, "cpu", "bfloat16", "bf16-mixed"),
+        (False, "cuda", "bfloat16", "bf16-mixed"),
+    ],
+)
 def test_auto_dtypes(native, device, dtype, precision):
-    cfg = load_config(ROOT / "configs" / "local.yaml", [f"device={device}", "topology.groups.0.gpus_per_node=1"]
-                      if device == "cuda" else [])
+    cfg = load_config(
+        ROOT / "configs" / "local.yaml",
+        [f"device={device}", "topology.groups.0.gpus_per_node=1"] if device == "cuda" else [],
+    )
     cfg.target.dtype, cfg.trainer.precision = "auto", "auto"  # what local.yaml says before resolution
     cpu = CpuInfo("test", 2, frozenset({"avx512_bf16"} if native else {"avx2"}))
     resolve_for_machine(cfg, cpu)
@@ -58,7 +74,9 @@ def test_cpu_threads_from_the_machine():
     use (all 8; 3 under a quota of 2.6 cores); set, they keep what was asked; a GPU job leaves
     them alone."""
     eight = CpuInfo("test", 8, frozenset({"avx2"}))
-    cfg = load_config(ROOT / "configs" / "local.yaml", ["inference.cpu_threads=null", "trainer.torch_threads_when_idle=null"])
+    cfg = load_config(
+        ROOT / "configs" / "local.yaml", ["inference.cpu_threads=null", "trainer.torch_threads_when_idle=null"]
+    )
     cfg.inference.cpu_threads = cfg.trainer.torch_threads_when_idle = None  # as read, before resolution
     resolve_for_machine(cfg, eight)
     assert (cfg.inference.cpu_threads, cfg.trainer.torch_threads_when_idle) == (8, 8)
@@ -82,7 +100,10 @@ def test_cpu_process_env(monkeypatch):
     found = {"tcmalloc": "/usr/lib/libtcmalloc_minimal.so.4", "iomp": "/venv/lib/libiomp5.so"}
     monkeypatch.setattr(hw, "preload_libraries", lambda names: [found[n] for n in names if n in found])
     assert hw.cpu_process_env(("tcmalloc", "iomp"), 4) == {
-        "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so", "KMP_BLOCKTIME": "5", "OMP_NUM_THREADS": "4"}
+        "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so",
+        "KMP_BLOCKTIME": "5",
+        "OMP_NUM_THREADS": "4",
+    }
     assert hw.cpu_process_env(("tcmalloc",)) == {"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}
     del found["iomp"]  # not installed: nothing about it
     assert hw.cpu_process_env(("iomp",)) == {}
@@ -120,7 +141,9 @@ def test_a_cgroup_quota_is_read_in_cores_the_tightest_level_wins(tmp_path):
     assert cpu_quota(tmp_path / "absent", v2) is None
 
 
-@pytest.mark.parametrize("affinity, quota, usable", [(None, None, 8), (2, None, 2), (8, 0.66, 1), (2, 1.5, 2), (1, 3.0, 1)])
+@pytest.mark.parametrize(
+    "affinity, quota, usable", [(None, None, 8), (2, None, 2), (8, 0.66, 1), (2, 1.5, 2), (1, 3.0, 1)]
+)
 def test_usable_cores_are_the_affinity_within_the_quota(affinity, quota, usable):
     assert CpuInfo("x", 8, frozenset(), affinity, quota).usable_cores == usable
 

@@ -37,16 +37,23 @@ def test_max_prompts_per_category_caps_each_category_with_a_spread_sample():
 def test_category_caps_replace_the_common_cap_for_the_categories_they_name():
     full, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=null"]))
     per_category = Counter(c.category for c in full)
-    capped, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", [
-        "data.max_prompts_per_category=5", "data.category_caps={math: 2, magpie_chat: 30}"]))
+    capped, _ = load_prompts(
+        load_config(
+            ROOT / "configs" / "local.yaml",
+            ["data.max_prompts_per_category=5", "data.category_caps={math: 2, magpie_chat: 30}"],
+        )
+    )
     expected = {k: min(n, {"math": 2, "magpie_chat": 30}.get(k, 5)) for k, n in per_category.items()}
     assert per_category["magpie_chat"] > 30 and Counter(c.category for c in capped) == expected
     # The same hash order as the common cap: a smaller cap keeps a subset of a larger one's picks.
     common, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=5"]))
     assert {c.id for c in capped if c.category == "math"} < {c.id for c in common if c.category == "math"}
     # Without a common cap only the named categories are capped.
-    only, _ = load_prompts(load_config(ROOT / "configs" / "local.yaml", [
-        "data.max_prompts_per_category=null", "data.category_caps={math: 2}"]))
+    only, _ = load_prompts(
+        load_config(
+            ROOT / "configs" / "local.yaml", ["data.max_prompts_per_category=null", "data.category_caps={math: 2}"]
+        )
+    )
     assert Counter(c.category for c in only) == {**per_category, "math": 2}
     with pytest.raises(ConfigError, match=r"data\.category_caps\.math.*out of range"):
         load_config(ROOT / "configs" / "local.yaml", ["data.category_caps={math: 0}"])
@@ -83,25 +90,32 @@ def saved_checkpoint(root: Path, ledger_state: dict) -> None:
 
 def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
     from cluster.data import ProducedSample, SampleLedger
-    from cluster.store import SampleRef
     from cluster.job.recovery import check_resume_plan
+    from cluster.store import SampleRef
     from cluster.training import CheckpointDir
 
     class Job:
         def __init__(self, *overrides, run="r"):
-            self.cfg = load_config(ROOT / "configs" / "local.yaml",
-                                   [f"output_dir={tmp_path}", f"run_name={run}", "logging.wandb_mode=disabled", *overrides])
+            self.cfg = load_config(
+                ROOT / "configs" / "local.yaml",
+                [f"output_dir={tmp_path}", f"run_name={run}", "logging.wandb_mode=disabled", *overrides],
+            )
             self.run_dir = self.cfg.run_dir
             self.train_prompts, self.heldout = load_prompts(self.cfg)
 
         def check_resume_plan(self):
-            return check_resume_plan(self.cfg, CheckpointDir(self.run_dir / "checkpoints"),
-                                     {c.id for c in self.train_prompts}, {c.id for c in self.heldout})
+            return check_resume_plan(
+                self.cfg,
+                CheckpointDir(self.run_dir / "checkpoints"),
+                {c.id for c in self.train_prompts},
+                {c.id for c in self.heldout},
+            )
 
     job = Job
     first = job("data.max_prompts_per_category=4", "data.epochs=2")
-    ledger = SampleLedger([{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2,
-                          reuse_across_epochs=True)
+    ledger = SampleLedger(
+        [{"id": c.id, "messages": c.prompt_messages} for c in first.train_prompts], epochs=2, reuse_across_epochs=True
+    )
     handed = ledger.request_prompts("r0", 1000)
     ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (), 0)) for p in handed])
     for step in (1, 2):  # every sample of an epoch in one step, trained once it commits
@@ -110,11 +124,15 @@ def test_a_resume_whose_checkpoint_trained_other_prompts_is_refused(tmp_path):
 
     assert first.check_resume_plan() == first.run_dir / "checkpoints" / "step-000001"  # the same plan
     job("data.max_prompts_per_category=4", "data.epochs=3").check_resume_plan()  # a plan that only adds
-    assert job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan() is None  # fresh
+    assert (
+        job("data.max_prompts_per_category=4", "data.epochs=2", "trainer.resume=never").check_resume_plan() is None
+    )  # fresh
     trained = {c.id for c in first.train_prompts}
     fewer = job("data.max_prompts_per_category=3", "data.epochs=2")
     dropped = sorted(f"{i}@{e}" for i in trained - {c.id for c in fewer.train_prompts} for e in (0, 1))
-    with pytest.raises(ConfigError, match=rf"trained {len(dropped)} samples .*\(e\.g\. {dropped[0]}.*trainer\.resume=never"):
+    with pytest.raises(
+        ConfigError, match=rf"trained {len(dropped)} samples .*\(e\.g\. {dropped[0]}.*trainer\.resume=never"
+    ):
         fewer.check_resume_plan()
     with pytest.raises(ConfigError, match=rf"trained {len(trained)} samples .*@1"):  # fewer epochs: epoch 1's
         job("data.max_prompts_per_category=4", "data.epochs=1").check_resume_plan()

@@ -16,8 +16,8 @@ import pytest
 from cluster.config import JobConfig
 from cluster.control import ControlChannel, JobStopped, Stop
 from cluster.data import LedgerCounts
-from cluster.job.events import EventLog
 from cluster.job.evaluation import Evaluator
+from cluster.job.events import EventLog
 from cluster.job.recovery import TrainerWorld
 from cluster.job.results import RunFacts, stopped
 
@@ -26,9 +26,21 @@ def world(control: ControlChannel, ledger) -> TrainerWorld:
     cfg = JobConfig(run_name="r")
     cfg.drafter.draft_vocab_size = 100
     supervisor = SimpleNamespace(check=lambda: None)
-    return TrainerWorld(cfg, gang=None, services=None, ledger=ledger, record=None, checkpoints=None, committer=None,
-                        supervisor=supervisor, events=EventLog(), vocab_texts=[], train_prompts=10, resume_from=None,
-                        stop_check=control.raise_if_stopped)
+    return TrainerWorld(
+        cfg,
+        gang=None,
+        services=None,
+        ledger=ledger,
+        record=None,
+        checkpoints=None,
+        committer=None,
+        supervisor=supervisor,
+        events=EventLog(),
+        vocab_texts=[],
+        train_prompts=10,
+        resume_from=None,
+        stop_check=control.raise_if_stopped,
+    )
 
 
 def test_a_stop_during_the_first_answers_wait_ends_it_naming_the_phase():
@@ -40,8 +52,9 @@ def test_a_stop_during_the_first_answers_wait_ends_it_naming_the_phase():
             control.send(Stop("SIGTERM received"))
         return []
 
-    ledger = SimpleNamespace(peek_stored=peek_stored,
-                             counts=lambda: LedgerCounts(pending=10, to_generate=10, total=10, epochs=1))
+    ledger = SimpleNamespace(
+        peek_stored=peek_stored, counts=lambda: LedgerCounts(pending=10, to_generate=10, total=10, epochs=1)
+    )
     with pytest.raises(JobStopped, match="stopped during the first answers' wait: SIGTERM received") as e:
         world(control, ledger).fresh_model_init()
     assert e.value.phase == "the first answers' wait" and len(polls) == 3  # the next poll, not the 3600 s deadline
@@ -70,8 +83,17 @@ def test_stopped_writes_result_json_even_when_its_checkpoint_fails(tmp_path):
         raise RuntimeError("rank 0 is gone")
 
     committer = SimpleNamespace(uncommitted=["a row"], commit=commit)
-    result = stopped(run, "SIGTERM received", "training", 12, 30.0, committer, CheckpointDir(run.run_dir / "checkpoints"),
-                     record=None, ledger=None)
+    result = stopped(
+        run,
+        "SIGTERM received",
+        "training",
+        12,
+        30.0,
+        committer,
+        CheckpointDir(run.run_dir / "checkpoints"),
+        record=None,
+        ledger=None,
+    )
     written = json.loads((run.run_dir / "result.json").read_text())
     assert written == json.loads(json.dumps(result, default=str))
     assert written["status"] == "stopped" and written["phase"] == "training" and written["steps"] == 12
@@ -82,8 +104,9 @@ def test_stopped_writes_result_json_even_when_its_checkpoint_fails(tmp_path):
 
 def test_a_stop_during_the_evaluation_ends_its_subprocess_at_once(tmp_path):
     control = ControlChannel()
-    evaluator = Evaluator(JobConfig(run_name="r"), inputs=None, run_dir=tmp_path, placed=[],
-                          stop_check=control.raise_if_stopped)
+    evaluator = Evaluator(
+        JobConfig(run_name="r"), inputs=None, run_dir=tmp_path, placed=[], stop_check=control.raise_if_stopped
+    )
     marker = tmp_path / "still-running"
     cmd = [sys.executable, "-c", f"import time, pathlib; time.sleep(60); pathlib.Path({str(marker)!r}).write_text('x')"]
     started = time.monotonic()
@@ -93,4 +116,5 @@ def test_a_stop_during_the_evaluation_ends_its_subprocess_at_once(tmp_path):
     assert time.monotonic() - started < 20 and not marker.exists()
     with pytest.raises(Exception, match="returned non-zero exit status 3"):
         Evaluator(JobConfig(run_name="r"), None, tmp_path, [], ControlChannel().raise_if_stopped).run_stoppable(
-            [sys.executable, "-c", "raise SystemExit(3)"], env=None, timeout_s=60)
+            [sys.executable, "-c", "raise SystemExit(3)"], env=None, timeout_s=60
+        )

@@ -10,9 +10,21 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.data import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, ProducedSample, PromptTask, SampleLedger,
-                          balance, quarantined)
-from cluster.data import ExactlyOnceViolation, TrainingRecord
+from cluster.data import (
+    FAILED,
+    LEASED,
+    PENDING,
+    STORED,
+    TRAINED,
+    ExactlyOnceViolation,
+    LedgerError,
+    ProducedSample,
+    PromptTask,
+    SampleLedger,
+    TrainingRecord,
+    balance,
+    quarantined,
+)
 from cluster.store import SampleRef
 
 
@@ -55,8 +67,13 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
     replica then dies unreported; a master restart empties it; whoever commits removes what the
     ledger returns) proves the ledger leaks nothing and never lets a leased sample go."""
     rng = random.Random(seed)
-    ledger = SampleLedger(prompts(40), epochs=2, watermarks={"g0": (15_000, 8_000), "g1": (6_000, 2_000)},
-                          max_attempts=50, reuse_across_epochs=seed % 2 == 1)
+    ledger = SampleLedger(
+        prompts(40),
+        epochs=2,
+        watermarks={"g0": (15_000, 8_000), "g1": (6_000, 2_000)},
+        max_attempts=50,
+        reuse_across_epochs=seed % 2 == 1,
+    )
     record = TrainingRecord(tmp_path / "trained.jsonl")
     rank_groups = ["g0", "g0", "g1"]
     groups = {"r0": "g0", "r1": "g0", "r2": "g1"}
@@ -116,7 +133,10 @@ def test_random_failures_keep_exactly_once(seed, tmp_path):
     assert store == set(), f"{len(store)} objects left in the store, e.g. {sorted(store)[:3]}"
     proof = record.verify(ledger.outcome())
     failed = proof["failed"]
-    assert proof["per_epoch"] == {"0": 40 - sum(u.endswith("@0") for u in failed), "1": 40 - sum(u.endswith("@1") for u in failed)}
+    assert proof["per_epoch"] == {
+        "0": 40 - sum(u.endswith("@0") for u in failed),
+        "1": 40 - sum(u.endswith("@1") for u in failed),
+    }
     # the record is independent of the ledger's counts: each trained uid appears in it exactly once
     uids = [r["uid"] for r in record.rows()]
     assert len(uids) == len(set(uids)) and set(uids) == {u for u, e in ledger.entries.items() if e.state == TRAINED}
@@ -133,7 +153,9 @@ def test_step_takes_own_group_first_then_borrows_from_a_deep_queue():
     assert g0_rows and all(r.group == "g0" for r in g0_rows)
     assert sum(ledger.entries[r.uid].tokens for r in g0_rows) <= 60 or len(g0_rows) == 1  # its own budget first
     assert g1_rows and all(r.group == "g0" for r in g1_rows)  # g1 had nothing: borrowed from g0's deep queue
-    assert all(ledger.entries[r.uid].crossed for r in g1_rows) and not any(ledger.entries[r.uid].crossed for r in g0_rows)
+    assert all(ledger.entries[r.uid].crossed for r in g1_rows) and not any(
+        ledger.entries[r.uid].crossed for r in g0_rows
+    )
     assert ledger.lease_step(1, ["g0", "g1"], batch_tokens=60) == lease  # idempotent
 
 
@@ -198,8 +220,7 @@ def test_unfinished_ledger_does_not_verify(tmp_path):
 def test_lease_is_idempotent_and_balanced():
     ledger = SampleLedger(prompts(8))
     p = ledger.request_prompts("r0", 8)
-    ledger.report_produced("r0", [stored(x, 10 * (i + 1), 1)
-                                  for i, x in enumerate(p)])
+    ledger.report_produced("r0", [stored(x, 10 * (i + 1), 1) for i, x in enumerate(p)])
     a = ledger.lease_step(1, ["g0", "g0"], 1000)
     assert a == ledger.lease_step(1, ["g0", "g0"], 1000)
     loads = [sum(ledger.entries[r.uid].tokens for r in rank) for rank in a]
@@ -298,8 +319,7 @@ def test_commit_does_not_hand_back_released_keys():
 def test_no_rank_gets_more_than_its_budget():
     ledger = SampleLedger(prompts(3))
     handed = ledger.request_prompts("r0", 3)
-    ledger.report_produced("r0", [stored(p, t, 1)
-                                  for p, t in zip(handed, (90, 90, 20))])
+    ledger.report_produced("r0", [stored(p, t, 1) for p, t in zip(handed, (90, 90, 20))])
     lease = ledger.lease_step(1, ["g0", "g0"], batch_tokens=100)
     assert sorted(sum(ledger.entries[r.uid].tokens for r in rows) for rows in lease) == [90, 90]
     assert [r.uid for r in ledger.lease_step(2, ["g0", "g0"], 100)[0]] == ["p2@0"]  # the 20 waits for the next step
@@ -325,8 +345,7 @@ def generate_with_poison(ledger, poison: str, deaths: int) -> tuple[list[dict], 
     if any(p.id == poison for p in handed):
         ledger.replica_died(f"r{deaths}", "segfault")
         return handed, deaths + 1
-    ledger.report_produced(f"r{deaths}", [stored(p, 5, 1)
-                                          for p in handed])
+    ledger.report_produced(f"r{deaths}", [stored(p, 5, 1) for p in handed])
     return handed, deaths
 
 
@@ -363,8 +382,12 @@ def test_a_poison_prompt_is_quarantined_in_every_epoch(reuse):
     assert sorted(outcome["trained"]) == sorted(f"p{i}@{e}" for i in (0, 2, 3) for e in range(3))
     assert sorted(outcome["failed"]) == ["p1@0", "p1@1", "p1@2"] and not outcome["unfinished"]
     assert quarantined(outcome["failed"]) == {
-        "p1": {"failed": "p1@0", "cause": "replica r2 died while generating it: segfault",
-               "copies": ["p1@0", "p1@1", "p1@2"]}}
+        "p1": {
+            "failed": "p1@0",
+            "cause": "replica r2 died while generating it: segfault",
+            "copies": ["p1@0", "p1@1", "p1@2"],
+        }
+    }
     # a later submission with more epochs resumes with the prompt still quarantined
     resumed = SampleLedger(prompts(4), epochs=4, reuse_across_epochs=reuse)
     resumed.load_state_dict(ledger.state_dict())
@@ -404,8 +427,9 @@ def test_reserved_prompts_are_generated_after_epoch_0_and_never_trained(reuse):
     # Two reserved prompts (a calibration split): handed out once epoch 0 is, before epoch 1's
     # prompts; stored but never leased; outside the plan's counts and outcome, inside the
     # group's store bytes; a replica death sends them back like any prompt; a resume regenerates them.
-    ledger = SampleLedger(prompts(3), epochs=2, reuse_across_epochs=reuse,
-                          reserved=[{"id": f"cal{i}", "messages": []} for i in range(2)])
+    ledger = SampleLedger(
+        prompts(3), epochs=2, reuse_across_epochs=reuse, reserved=[{"id": f"cal{i}", "messages": []} for i in range(2)]
+    )
     first = ledger.request_prompts("r0", 3)
     # still to generate: 3 in generation, 2 reserved (and without reuse, epoch 1's 3)
     assert [p.uid for p in first] == ["p0@0", "p1@0", "p2@0"] and ledger.to_generate() == (5 if reuse else 8)
@@ -456,18 +480,20 @@ def test_handing_out_thousands_keeps_the_order_through_the_pools_compaction():
 # (written by that code: cluster/data/ledger*.py before issue 49): p0 trained (a vLLM replica's
 # ref, with a file backend's `path` beside it), p1 stored (the replay producer's), p2 failed.
 SAVED_BEFORE_TYPED_REFS = (
-    '{"epochs": 1, "committed_step": 1, "master_generation": 0, "totals": {"produced_samples": 2, "produced_tokens": 16, '
-    '"produced_bytes": 720, "trained_samples": 1, "trained_tokens": 7, "crossed_samples": 0}, "group_totals": {"g0": '
-    '{"produced_samples": 2, "produced_tokens": 16, "produced_bytes": 720, "trained_samples": 1, "trained_tokens": 7, '
-    '"crossed_samples": 0}}, "entries": [{"prompt_id": "p0", "epoch": 0, "state": "trained", "group": "g0", "ref": '
-    '{"key": "run/g0/p0@0.1", "num_tokens": 7, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "bfloat16", "path": null}, '
-    '"tokens": 7, "nbytes": 263, "step": 1, "rank": 0, "crossed": false, "released": false, "attempts": 1, "errors": [], '
-    '"trained_at_step": 1}, {"prompt_id": "p1", "epoch": 0, "state": "stored", "group": "g0", "ref": {"key": '
-    '"run/g0/p1@0.1", "num_tokens": 9, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "float32"}, "tokens": 9, '
-    '"nbytes": 457, "step": null, "rank": null, "crossed": false, "released": false, "attempts": 1, "errors": [], '
-    '"trained_at_step": null}, {"prompt_id": "p2", "epoch": 0, "state": "failed", "group": "g0", "ref": null, '
-    '"tokens": 0, "nbytes": 0, "step": null, "rank": null, "crossed": false, "released": false, "attempts": 1, '
-    '"errors": ["render: too long"], "trained_at_step": null}]}')
+    '{"epochs": 1, "committed_step": 1, "master_generation": 0, "totals": {"produced_samples": 2, '
+    '"produced_tokens": 16, "produced_bytes": 720, "trained_samples": 1, "trained_tokens": 7, "crossed_samples": 0}, '
+    '"group_totals": {"g0": {"produced_samples": 2, "produced_tokens": 16, "produced_bytes": 720, '
+    '"trained_samples": 1, "trained_tokens": 7, "crossed_samples": 0}}, "entries": [{"prompt_id": "p0", "epoch": 0, '
+    '"state": "trained", "group": "g0", "ref": {"key": "run/g0/p0@0.1", "num_tokens": 7, "layer_ids": [1, 3], '
+    '"hidden_size": 4, "dtype": "bfloat16", "path": null}, "tokens": 7, "nbytes": 263, "step": 1, "rank": 0, '
+    '"crossed": false, "released": false, "attempts": 1, "errors": [], "trained_at_step": 1}, {"prompt_id": "p1", '
+    '"epoch": 0, "state": "stored", "group": "g0", "ref": {"key": "run/g0/p1@0.1", "num_tokens": 9, '
+    '"layer_ids": [1, 3], "hidden_size": 4, "dtype": "float32"}, "tokens": 9, "nbytes": 457, "step": null, '
+    '"rank": null, "crossed": false, "released": false, "attempts": 1, "errors": [], "trained_at_step": null}, '
+    '{"prompt_id": "p2", "epoch": 0, "state": "failed", "group": "g0", "ref": null, "tokens": 0, "nbytes": 0, '
+    '"step": null, "rank": null, "crossed": false, "released": false, "attempts": 1, "errors": ["render: too long"], '
+    '"trained_at_step": null}]}'
+)
 
 
 def test_a_checkpoint_written_before_typed_refs_loads_and_is_saved_in_the_same_json():

@@ -26,9 +26,16 @@ def prompts(n):
 
 def make(cls, n, epochs, reuse, seed):
     ticks = itertools.count()
-    return cls(prompts(n), epochs=epochs, key_prefix="run", reuse_across_epochs=reuse, shuffle_seed=seed,
-               watermarks={"g0": (6000, 3000), "g1": (20_000, 10_000)},  # g2 never pauses
-               sample_bytes_estimate=800, clock=lambda: float(next(ticks)))
+    return cls(
+        prompts(n),
+        epochs=epochs,
+        key_prefix="run",
+        reuse_across_epochs=reuse,
+        shuffle_seed=seed,
+        watermarks={"g0": (6000, 3000), "g1": (20_000, 10_000)},  # g2 never pauses
+        sample_bytes_estimate=800,
+        clock=lambda: float(next(ticks)),
+    )
 
 
 LIVE_FIELDS = ("replica", "since", "suspect")  # not saved: a resumed ledger starts them afresh
@@ -37,8 +44,11 @@ LIVE_FIELDS = ("replica", "since", "suspect")  # not saved: a resumed ledger sta
 def saved(state: dict) -> dict:
     """A saved state as the indexed ledger writes it: untouched pending entries left out (a
     ledger of the same prompts starts with them), live fields dropped."""
-    rows = [{k: v for k, v in d.items() if k not in LIVE_FIELDS} for d in state["entries"]
-            if d["state"] != "pending" or d["attempts"]]
+    rows = [
+        {k: v for k, v in d.items() if k not in LIVE_FIELDS}
+        for d in state["entries"]
+        if d["state"] != "pending" or d["attempts"]
+    ]
     return {**state, "entries": rows}
 
 
@@ -71,9 +81,12 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
         elif op < 0.55 and handed:
             replica = rng.choice(sorted(handed))
             # samples of 5-60 tokens, 0.2-1.7 kB (one float32 layer 4-6 wide)
-            results = [ProducedSample(p.uid, error="boom") if rng.random() < 0.05 else
-                       ProducedSample(p.uid, SampleRef(p.key, rng.randint(5, 60), (0,), rng.choice((4, 5, 6)), "float32"))
-                       for p in handed.pop(replica)]
+            results = [
+                ProducedSample(p.uid, error="boom")
+                if rng.random() < 0.05
+                else ProducedSample(p.uid, SampleRef(p.key, rng.randint(5, 60), (0,), rng.choice((4, 5, 6)), "float32"))
+                for p in handed.pop(replica)
+            ]
             both("report_produced", replica, results)
         elif op < 0.58 and handed:
             both("replica_died", handed.pop(rng.choice(sorted(handed))), "killed")

@@ -39,8 +39,12 @@ def shim_env():
 
 
 def test_wildcard_binds_land_on_loopback(shim_env):
-    assert bound(shim_env) == {"v4_any": "127.0.0.1", "v4_lo": "127.0.0.1", "v6_any_v6only1": "::1",
-                               "v6_any_v6only0": "::ffff:127.0.0.1"}
+    assert bound(shim_env) == {
+        "v4_any": "127.0.0.1",
+        "v4_lo": "127.0.0.1",
+        "v6_any_v6only1": "::1",
+        "v6_any_v6only0": "::ffff:127.0.0.1",
+    }
 
 
 def test_without_the_switch_nothing_changes(shim_env):

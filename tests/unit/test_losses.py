@@ -53,7 +53,9 @@ def random_outputs(n=5, g=4, vd=50, v=80, seed=0, reduced=False):
         logits=torch.randn(n, g, vd if reduced else v, generator=gen) * 2,
         confidence_logits=torch.randn(n, g, generator=gen),
         target_logits=torch.randn(n, g, v, generator=gen) * 2,
-        target_ids=ids, valid=valid, hidden=torch.zeros(n, g, 3),
+        target_ids=ids,
+        valid=valid,
+        hidden=torch.zeros(n, g, 3),
     )
 
 
@@ -76,9 +78,14 @@ def test_loss_matches_naive(shift, reduced):
 
 
 def rows_of(out: BlockOutputs, rows: slice) -> BlockOutputs:
-    return BlockOutputs(logits=out.logits[rows], confidence_logits=out.confidence_logits[rows],
-                        target_logits=out.target_logits[rows], target_ids=out.target_ids[rows],
-                        valid=out.valid[rows], hidden=out.hidden[rows])
+    return BlockOutputs(
+        logits=out.logits[rows],
+        confidence_logits=out.confidence_logits[rows],
+        target_logits=out.target_logits[rows],
+        target_ids=out.target_ids[rows],
+        valid=out.valid[rows],
+        hidden=out.hidden[rows],
+    )
 
 
 def test_ranks_with_world_denominators_average_to_the_whole_batch_loss():
@@ -132,7 +139,6 @@ def test_expected_calibration_error():
     assert float(expected_calibration_error(pred, torch.tensor([0.1, 0.1, 0.9, 0.9]))) == pytest.approx(0.0)
     # Two bins, each off by 0.4 → ECE 0.4
     assert float(expected_calibration_error(pred, torch.tensor([0.5, 0.5, 0.5, 0.5]))) == pytest.approx(0.4)
-
 
 
 def test_cached_target_normalizers_give_the_same_loss(tiny_target, monkeypatch):

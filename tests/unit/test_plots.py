@@ -16,14 +16,27 @@ def test_pictures_show_the_history_and_the_evaluation(tmp_path):
     ticks = itertools.count(start=100.0, step=2.5)
     history = RunHistory(tmp_path / "history.jsonl", started=100.0, clock=lambda: next(ticks))
     for step in range(1, 31):
-        history.step(step, {"loss": 5.0 / step, "expected_tau": 1.0 + step / 30, "accept_pos1": 0.5 + step / 100,
-                            "accept_pos2": 0.25, "lr": 1e-4})
+        history.step(
+            step,
+            {
+                "loss": 5.0 / step,
+                "expected_tau": 1.0 + step / 30,
+                "accept_pos1": 0.5 + step / 100,
+                "accept_pos2": 0.25,
+                "lr": 1e-4,
+            },
+        )
         if step % 10 == 0:
             history.progress(step, {"g0": 90.0 + step, "g1": 40.0}, data_wait_s=step / 10, train_s=step * 0.5)
     rows = read_history(tmp_path / "history.jsonl")
-    evaluations = {"held-out": {"tau": 1.6, "per_position_acceptance": [0.6, 0.3, 0.1],
-                                "per_category": {"chat": {"tau": 1.7}, "code": {"tau": 1.4}, "empty": {"tau": None}}},
-                   "ood": {"tau": 1.4, "per_position_acceptance": [0.5, 0.2], "per_category": {"chat": {"tau": 1.4}}}}
+    evaluations = {
+        "held-out": {
+            "tau": 1.6,
+            "per_position_acceptance": [0.6, 0.3, 0.1],
+            "per_category": {"chat": {"tau": 1.7}, "code": {"tau": 1.4}, "empty": {"tau": None}},
+        },
+        "ood": {"tau": 1.4, "per_position_acceptance": [0.5, 0.2], "per_category": {"chat": {"tau": 1.4}}},
+    }
     drawn = plot_run(tmp_path / "plots", rows, evaluations)
 
     assert set(drawn) == {"training", "acceptance", "tau_per_category", "generation"}
@@ -48,7 +61,10 @@ def test_pictures_show_the_history_and_the_evaluation(tmp_path):
 
 
 def test_a_job_without_history_still_draws_its_evaluation(tmp_path):
-    drawn = plot_run(tmp_path, [], {"held-out": {"tau": 1.2, "per_position_acceptance": [0.2],
-                                                 "per_category": {"chat": {"tau": 1.2}}}})
+    drawn = plot_run(
+        tmp_path,
+        [],
+        {"held-out": {"tau": 1.2, "per_position_acceptance": [0.2], "per_category": {"chat": {"tau": 1.2}}}},
+    )
     assert drawn["tau_per_category"]["data"]["tau per category: held-out"]["tau"] == (["chat"], [1.2])
     assert drawn["training"]["data"]["loss by step"]["loss"] == ([], [])

@@ -71,5 +71,11 @@ def test_a_service_nobody_watches_stops_the_job_naming_why():
 
     unwatched({"address": "127.0.0.1:5", "failure": None}, "the Mooncake master")
     with pytest.raises(ServiceFailure, match=r"the Mooncake master at 127.0.0.1:5: mooncake_master .* not restarted"):
-        unwatched({"address": "127.0.0.1:5", "failure": "mooncake_master on 127.0.0.1:5 exited 6 times within 600 s "
-                                                         "(last exit code 1): not restarted again"}, "the Mooncake master")
+        unwatched(
+            {
+                "address": "127.0.0.1:5",
+                "failure": "mooncake_master on 127.0.0.1:5 exited 6 times within 600 s "
+                "(last exit code 1): not restarted again",
+            },
+            "the Mooncake master",
+        )

@@ -19,8 +19,9 @@ def test_less_than_one_epoch_is_flagged_with_the_budget_it_would_take():
 
 
 def test_a_full_epoch_below_the_floor_is_flagged_a_healthy_run_is_not():
-    low = assess(trained_samples=2760, train_prompts=276, heldout_tau=TAU_FLOOR - 0.01, ended_by="data",
-                 time_budget_s=None)
+    low = assess(
+        trained_samples=2760, train_prompts=276, heldout_tau=TAU_FLOOR - 0.01, ended_by="data", time_budget_s=None
+    )
     assert not low.worth_serving and len(low.reasons) == 1 and "train longer" in low.advice[0]
     ok = assess(trained_samples=2760, train_prompts=276, heldout_tau=1.45, ended_by="time_budget", time_budget_s=480)
     assert ok.worth_serving and ok.reasons == [] and ok.advice == [] and ok.epochs_trained == 10

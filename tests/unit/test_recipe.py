@@ -28,15 +28,28 @@ from tests.helpers import make_drafter
 pytest.importorskip("vllm")
 
 EVALUATION = {
-    "tau": 1.7, "macro_tau": 1.6, "num_prompts": 3, "lossless": True,
-    "per_category": {"math": {"tau": 2.0, "num_prompts": 1, "per_position_acceptance": [0.6, 0.4]},
-                     "coding": {"tau": 1.2, "num_prompts": 2, "per_position_acceptance": [0.2, 0.0]}},
+    "tau": 1.7,
+    "macro_tau": 1.6,
+    "num_prompts": 3,
+    "lossless": True,
+    "per_category": {
+        "math": {"tau": 2.0, "num_prompts": 1, "per_position_acceptance": [0.6, 0.4]},
+        "coding": {"tau": 1.2, "num_prompts": 2, "per_position_acceptance": [0.2, 0.0]},
+    },
     "percentiles": {"p10": 1.1, "p50": 1.5, "p90": 2.0, "bottom10_mean": 1.0, "top10_mean": 2.1},
     "settings": {"dtype": "float32", "temperature": 0.0, "num_speculative_tokens": 8, "max_new_tokens": 80},
 }
-TRAINING = {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompt_files": ["data/prompts/default.jsonl"],
-            "train_prompts": 600, "heldout_prompts": 60, "categories": {"math": 300, "coding": 300}, "epochs": 2,
-            "trained_samples": 1200, "steps": 40, "sampling": "temperature 0.0, up to 160 tokens"}
+TRAINING = {
+    "target": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "prompt_files": ["data/prompts/default.jsonl"],
+    "train_prompts": 600,
+    "heldout_prompts": 60,
+    "categories": {"math": 300, "coding": 300},
+    "epochs": 2,
+    "trained_samples": 1200,
+    "steps": 40,
+    "sampling": "temperature 0.0, up to 160 tokens",
+}
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +64,9 @@ def run_stubbed(cmd, tmp_path, env=None, cwd=None):
     argv_file = tmp_path / "argv.json"
     argv_file.unlink(missing_ok=True)
     fake = bin_dir / "vllm"
-    fake.write_text("#!/usr/bin/env python3\nimport json, sys\n"
-                    f'json.dump(sys.argv[1:], open({str(argv_file)!r}, "w"))\n')
+    fake.write_text(
+        f'#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_file)!r}, "w"))\n'
+    )
     fake.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k != "TARGET"}
     env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", **(env or {})}
@@ -69,8 +83,12 @@ def served_config(drafter_dir, tmp_path, target=None, script=None):
     return argv[1], json.loads(argv[argv.index("--speculative-config") + 1])
 
 
-RECIPE = {"method": "dspark", "num_speculative_tokens": 8, "draft_sample_method": "probabilistic",
-          "rejection_sample_method": "block"}
+RECIPE = {
+    "method": "dspark",
+    "num_speculative_tokens": 8,
+    "draft_sample_method": "probabilistic",
+    "rejection_sample_method": "block",
+}
 
 
 def test_recipe_names_are_vllms():
@@ -91,13 +109,21 @@ def test_recipe_names_are_vllms():
 
 
 def test_recipe_per_method():
-    cfg = {"speculators_model_type": "dspark", "block_size": 8, "draft_vocab_size": 4000,
-           "transformer_layer_config": {"vocab_size": 49152},
-           "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
+    cfg = {
+        "speculators_model_type": "dspark",
+        "block_size": 8,
+        "draft_vocab_size": 4000,
+        "transformer_layer_config": {"vocab_size": 49152},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]},
+    }
     assert speculative_config(cfg, "d") == {"model": "d", **RECIPE}
     assert speculative_config(cfg, "d", "dflash") == {  # vLLM's CPU (V1) runner: no block verification
-        "model": "d", "method": "dflash", "num_speculative_tokens": 8, "draft_sample_method": "greedy",
-        "rejection_sample_method": "standard"}
+        "model": "d",
+        "method": "dflash",
+        "num_speculative_tokens": 8,
+        "draft_sample_method": "greedy",
+        "rejection_sample_method": "standard",
+    }
     with pytest.raises(ValueError, match="no serving recipe"):
         speculative_config(cfg, "d", "eagle3")
     cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 9
@@ -120,8 +146,11 @@ def test_serve_recipe_parses_in_vllm(tiny_target, tmp_path, draft_vocab):
     assert spec == {"model": str(final), **RECIPE}  # a reduced draft vocabulary too: vLLM maps it (d2t)
 
     target, spec = served_config(final, tmp_path, target=tiny_target)  # TARGET= overrides, the drafter stays
-    parsed = SpeculativeConfig(target_model_config=ModelConfig(model=target, max_model_len=512),
-                               target_parallel_config=ParallelConfig(), **spec)
+    parsed = SpeculativeConfig(
+        target_model_config=ModelConfig(model=target, max_model_len=512),
+        target_parallel_config=ParallelConfig(),
+        **spec,
+    )
     assert parsed.method == "dspark" and parsed.num_speculative_tokens == 8
     assert parsed.draft_sample_method == "probabilistic" and parsed.rejection_sample_method == "block"
     assert parsed.draft_model_config.hf_config.draft_vocab_size == (draft_vocab or 49152)
@@ -137,10 +166,15 @@ def test_model_card_states_what_was_measured(tiny_target, tmp_path):
     assert '"draft_sample_method": "probabilistic", "rejection_sample_method": "block"' in card
     assert "probabilistic drafting + block rejection (draft vocabulary 4000 of the target's 49152)" in card
     assert "through d2t" in card  # why a reduced vocabulary still drafts probabilistically
-    assert "Lossless (greedy speculative output identical to the target's, token for token, against the target's own" \
+    assert (
+        "Lossless (greedy speculative output identical to the target's, token for token, against the target's own"
         " greedy output): True." in card
-    served = model_card(json.loads((final / "config.json").read_text()), TRAINING, {**EVALUATION, "backend": "vllm",
-                        "lossless": None, "settings": {**EVALUATION["settings"], "method": "dspark"}})
+    )
+    served = model_card(
+        json.loads((final / "config.json").read_text()),
+        TRAINING,
+        {**EVALUATION, "backend": "vllm", "lossless": None, "settings": {**EVALUATION["settings"], "method": "dspark"}},
+    )
     assert "Lossless" not in served  # not checked: not claimed
     assert "Not worth serving" not in card  # no quality verdict given: none claimed
 
@@ -150,9 +184,11 @@ def test_model_card_says_when_a_drafter_is_not_worth_serving(tiny_target, tmp_pa
 
     final = save_drafter(make_drafter(tiny_target, block_size=8), tmp_path / "final")
     verdict = assess(192, 276, 1.055, "time_budget", 480)
-    card = model_card(json.loads((final / "config.json").read_text()),
-                      {**TRAINING, "quality": {"worth_serving": False, "reasons": verdict.reasons,
-                                               "advice": verdict.advice}}, EVALUATION)
+    card = model_card(
+        json.loads((final / "config.json").read_text()),
+        {**TRAINING, "quality": {"worth_serving": False, "reasons": verdict.reasons, "advice": verdict.advice}},
+        EVALUATION,
+    )
     head = card.split("## Training data")[0]
     assert "**Not worth serving as trained:** it trained 192 samples, 70% of one epoch" in head
     assert "raise trainer.time_budget_s (was 480)" in head
@@ -190,8 +226,14 @@ def drafter_copy(exported, where: Path, **edits) -> tuple[Path, dict]:
     return where.resolve(), cfg
 
 
-BAD_NAMES = ["Qwen/Qwen3-32B\ntouch {marker}", "$(touch {marker})", "`touch {marker}`", "org/name; touch {marker}",
-             "--trust-remote-code", "a\x1bname"]
+BAD_NAMES = [
+    "Qwen/Qwen3-32B\ntouch {marker}",
+    "$(touch {marker})",
+    "`touch {marker}`",
+    "org/name; touch {marker}",
+    "--trust-remote-code",
+    "a\x1bname",
+]
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -215,15 +257,16 @@ def test_a_verifier_name_that_is_not_a_model_name_is_refused(exported, tmp_path,
     assert argv[:2] == ["serve", "org/model"]
 
 
-CHAT = {"template": "{{ messages }}", "kwargs": {"persona": "it's \"$(touch x)\" `id`", "n": 1}, "source": "config"}
+CHAT = {"template": "{{ messages }}", "kwargs": {"persona": 'it\'s "$(touch x)" `id`', "n": 1}, "source": "config"}
 
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-32B", "/models/my target v2", "models/Qwen3 copy"])
 def test_written_serve_sh_is_quoted_and_round_trips(exported, tmp_path, name):
     """The serve.sh written beside a drafter (in a directory whose name needs quoting, a chat
     option full of shell syntax) parses in bash and hands vllm exactly `serve_argv`'s words."""
-    final, cfg = drafter_copy(exported, tmp_path / 'my "drafter" $dir', verifier=name,
-                              dspark_cluster={"chat_format": CHAT})
+    final, cfg = drafter_copy(
+        exported, tmp_path / 'my "drafter" $dir', verifier=name, dspark_cluster={"chat_format": CHAT}
+    )
     write_recipe(final, TRAINING, EVALUATION)
     script = final / "serve.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -266,8 +309,9 @@ def test_scripts_serve_never_runs_the_drafters_files(exported, tmp_path):
 def test_trust_remote_code_comes_only_from_the_user(exported, tmp_path):
     """A config.json that says the target needed remote code gets a note, never the flag; the
     user's own `--trust-remote-code` goes through once."""
-    final, cfg = drafter_copy(exported, tmp_path / "d", verifier="org/remote-target",
-                              dspark_cluster={"target_trust_remote_code": True})
+    final, cfg = drafter_copy(
+        exported, tmp_path / "d", verifier="org/remote-target", dspark_cluster={"target_trust_remote_code": True}
+    )
     write_recipe(final, TRAINING, EVALUATION)
     script = (final / "serve.sh").read_text()
     exec_line = next(ln for ln in script.splitlines() if ln.startswith("exec "))
@@ -275,7 +319,8 @@ def test_trust_remote_code_comes_only_from_the_user(exported, tmp_path):
     assert "add that flag yourself" in script and "--trust-remote-code" in script  # the comment
     card = (final / "README.md").read_text()
     assert "add that flag yourself" in card and "--trust-remote-code" not in next(
-        ln for ln in card.splitlines() if ln.strip().startswith("vllm serve "))
+        ln for ln in card.splitlines() if ln.strip().startswith("vllm serve ")
+    )
 
     for cmd in ([final / "serve.sh"], [SERVE, final]):
         argv, done = run_stubbed(cmd, tmp_path)

@@ -37,5 +37,8 @@ def test_removal_goes_past_an_error_retries_it_and_names_what_stays(monkeypatch,
     assert store.calls[:5] == ["a", "b", "c", "d", "x"]  # the first error (b) did not stop c, d, x
     assert store.calls.count("b") == 3 and store.calls.count("d") == rank_module.REMOVE_TRIES
     err = capsys.readouterr().err
-    assert f"sample d stays in the store after {rank_module.REMOVE_TRIES} tries: mooncake remove for key 'd' failed: -900" in err
+    assert (
+        f"sample d stays in the store after {rank_module.REMOVE_TRIES} tries: mooncake remove for key 'd' failed: -900"
+        in err
+    )
     assert "sample b" not in err

@@ -43,7 +43,7 @@ def imports_of(path: Path, root: Path) -> list[Import]:
         if isinstance(node, ast.Import):
             found += [Import(path, node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
             found.append(Import(path, node.lineno, module, tuple(alias.name for alias in node.names)))
     return found
@@ -69,8 +69,11 @@ def targets(imp: Import, root: Path) -> list[str]:
     if imp.module == PACKAGE:
         return [f"{PACKAGE}.{name}" for name in imp.names]
     folder = root / Path(*imp.module.split("."))
-    submodules = [f"{imp.module}.{name}" for name in imp.names
-                  if (folder / f"{name}.py").exists() or (folder / name / "__init__.py").exists()]
+    submodules = [
+        f"{imp.module}.{name}"
+        for name in imp.names
+        if (folder / f"{name}.py").exists() or (folder / name / "__init__.py").exists()
+    ]
     return [imp.module, *submodules]
 
 
@@ -109,7 +112,7 @@ def find_cycle(edges: dict[str, dict[str, list]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, {})):
             if colour[nxt] == GREY:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if colour[nxt] == WHITE and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -130,8 +133,10 @@ def describe_cycle(graph: Graph, cycle: list[str], root: Path = ROOT) -> str:
     steps = []
     for a, b in itertools.pairwise(cycle):
         first = graph.edges[a][b][0]
-        steps.append(f"  {a} -> {b}  ({where(first, root)} imports {first.module}"
-                     f"{f' ({len(graph.edges[a][b])} imports in all)' if len(graph.edges[a][b]) > 1 else ''})")
+        steps.append(
+            f"  {a} -> {b}  ({where(first, root)} imports {first.module}"
+            f"{f' ({len(graph.edges[a][b])} imports in all)' if len(graph.edges[a][b]) > 1 else ''})"
+        )
     return "the rooms import in a circle: " + " -> ".join(cycle) + "\n" + "\n".join(steps)
 
 
@@ -143,22 +148,34 @@ def test_the_rooms_import_in_no_circle():
 
 def test_a_room_imports_another_room_only_from_its_package():
     graph = read_graph()
-    lines = [f"  {where(imp)}: imports {module}; import the name from {'.'.join(module.split('.')[:2])} "
-             f"(its __init__ exports the room's public names)" for imp, module in graph.reaching_in]
+    lines = [
+        f"  {where(imp)}: imports {module}; import the name from {'.'.join(module.split('.')[:2])} "
+        f"(its __init__ exports the room's public names)"
+        for imp, module in graph.reaching_in
+    ]
     assert not lines, "a room reaches into another room's modules:\n" + "\n".join(lines)
 
 
 def test_the_ground_floor_imports_no_room():
     graph = read_graph()
-    lines = [f"  {where(imp)}: {source} imports {imp.module}"
-             for source, out in graph.edges.items() if source not in graph.room_names
-             for target, imps in out.items() if target in graph.room_names for imp in imps]
+    lines = [
+        f"  {where(imp)}: {source} imports {imp.module}"
+        for source, out in graph.edges.items()
+        if source not in graph.room_names
+        for target, imps in out.items()
+        if target in graph.room_names
+        for imp in imps
+    ]
     assert not lines, "the ground floor of cluster/ (every room uses it) imports a room:\n" + "\n".join(lines)
 
 
 def test_dspark_imports_nothing_of_cluster():
-    lines = [f"  {where(imp)}: imports {imp.module}" for path in sorted((ROOT / "dspark").rglob("*.py"))
-             for imp in imports_of(path, ROOT) if imp.module.split(".")[0] == PACKAGE]
+    lines = [
+        f"  {where(imp)}: imports {imp.module}"
+        for path in sorted((ROOT / "dspark").rglob("*.py"))
+        for imp in imports_of(path, ROOT)
+        if imp.module.split(".")[0] == PACKAGE
+    ]
     assert not lines, "dspark/ (pure PyTorch) imports cluster/:\n" + "\n".join(lines)
 
 
@@ -181,7 +198,8 @@ def test_the_check_sees_a_circle_and_a_reach_into_a_room(tmp_path):
     assert cycle in (["data", "store", "data"], ["store", "data", "store"])
     assert "cluster/store/client.py:4" in describe_cycle(graph, cycle, tmp_path)
     assert [(where(imp, tmp_path), module) for imp, module in graph.reaching_in] == [
-        ("cluster/data/ledger.py:1", "cluster.store.client")]
+        ("cluster/data/ledger.py:1", "cluster.store.client")
+    ]
     assert set(graph.edges["data"]) == {"store"}  # `from .ledger import`: within its room
     (tmp_path / "cluster/store/client.py").write_text("from cluster.config import X\n")
     assert find_cycle(read_graph(tmp_path).edges) is None

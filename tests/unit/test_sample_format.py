@@ -16,15 +16,21 @@ KEY = bytes(range(32))
 
 
 def object_bytes(sample: Sample, key: bytes = KEY, store_key: str = "k") -> torch.Tensor:
-    raw = b"".join(p if isinstance(p, bytes) else np.ascontiguousarray(p).tobytes()
-                   for p in sample_parts(sample, key, store_key=store_key))
+    raw = b"".join(
+        p if isinstance(p, bytes) else np.ascontiguousarray(p).tobytes()
+        for p in sample_parts(sample, key, store_key=store_key)
+    )
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def sample(dtype=torch.bfloat16, t: int = 37) -> Sample:
     g = torch.Generator().manual_seed(0)
-    return Sample(torch.randint(0, 49152, (t,), generator=g), torch.rand(t, generator=g) > 0.5,
-                  torch.randn(t, 3, 64, generator=g).to(dtype), [2, 8, 30])
+    return Sample(
+        torch.randint(0, 49152, (t,), generator=g),
+        torch.rand(t, generator=g) > 0.5,
+        torch.randn(t, 3, 64, generator=g).to(dtype),
+        [2, 8, 30],
+    )
 
 
 def test_a_sample_reads_back_exactly():
@@ -65,15 +71,19 @@ def test_a_sample_replayed_under_another_key_is_refused():
     as_other = SampleRef.for_sample("run/g0/p2@0.1", s)  # same shapes: only the key differs
     with pytest.raises(CorruptSampleError, match=r"run/g0/p2@0\.1: .*stored under another key"):
         sample_from_buffer(as_other, signed_for.clone(), key=KEY)
-    assert torch.equal(sample_from_buffer(SampleRef.for_sample("run/g0/p1@0.1", s), signed_for, key=KEY).token_ids,
-                       s.token_ids)
+    assert torch.equal(
+        sample_from_buffer(SampleRef.for_sample("run/g0/p1@0.1", s), signed_for, key=KEY).token_ids, s.token_ids
+    )
 
 
 def test_a_sample_is_never_read_in_another_dtype():
     s = sample(torch.float16)  # an fp16 target's states
     stored = SampleRef.for_sample("k", s)
     as_bf16 = SampleRef(stored.key, stored.num_tokens, stored.layer_ids, stored.hidden_size, "bfloat16")
-    with pytest.raises(CorruptSampleError, match=r"stored as \(dtype, tokens, layers, hidden\) \('float16', 37, 3, 64\), "
-                                                  r"read as \('bfloat16', 37, 3, 64\)"):
+    with pytest.raises(
+        CorruptSampleError,
+        match=r"stored as \(dtype, tokens, layers, hidden\) \('float16', 37, 3, 64\), "
+        r"read as \('bfloat16', 37, 3, 64\)",
+    ):
         sample_from_buffer(as_bf16, object_bytes(s), key=KEY)
     assert sample_from_buffer(stored, object_bytes(s), key=KEY).hidden_states.dtype == torch.float16

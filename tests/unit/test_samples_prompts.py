@@ -40,8 +40,11 @@ def test_corrupt_samples_are_named(tmp_path, damage):
     else:
         from safetensors.torch import save_file
 
-        save_file({"hidden_states": torch.zeros(5, 3, 8), "token_ids": torch.arange(6)}, str(path),
-                  metadata={"layer_ids": "[2, 4, 6]"})
+        save_file(
+            {"hidden_states": torch.zeros(5, 3, 8), "token_ids": torch.arange(6)},
+            str(path),
+            metadata={"layer_ids": "[2, 4, 6]"},
+        )
     with pytest.raises(CorruptSampleError, match="bad.safetensors"):
         read_sample(path)
 
@@ -50,7 +53,13 @@ def test_readers_report_malformed_lines(tmp_path):
     f = tmp_path / "p.jsonl"
     lines = [
         {"prompt": "hello"},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "?"},
+            ]
+        },
         "not json",
         {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
         {"messages": [{"role": "wizard", "content": "x"}]},

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.inference import InferenceSettings
+from cluster.inference import InferenceSettings, ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
 from tests.helpers import eager_target
-from cluster.inference import ServedEvalSettings, ServedEvaluator, compare_greedy, first_difference
 
-PROMPTS = [{"id": f"p{i}", "category": "math" if i % 2 else "coding", "messages": [{"role": "user", "content": str(i)}]}
-           for i in range(3)]
+PROMPTS = [
+    {"id": f"p{i}", "category": "math" if i % 2 else "coding", "messages": [{"role": "user", "content": str(i)}]}
+    for i in range(3)
+]
 OUTPUT = [5, 6, 7, 8, 9, 10]
 
 
@@ -61,9 +62,13 @@ def fake_vllm(monkeypatch, tmp_path):
         monkeypatch.setenv(var, os.environ.get(var, default))  # the CPU path's setdefault stays inside this test
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(dspark.chat, "render_prompt", lambda tok, messages, chat: [1, 2, 3])
-    cfg = {"speculators_model_type": "dspark", "block_size": 8, "draft_vocab_size": 4000,
-           "transformer_layer_config": {"vocab_size": 49152},
-           "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}], "verifier": {"name_or_path": "t"}}}
+    cfg = {
+        "speculators_model_type": "dspark",
+        "block_size": 8,
+        "draft_vocab_size": 4000,
+        "transformer_layer_config": {"vocab_size": 49152},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}], "verifier": {"name_or_path": "t"}},
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
 
@@ -78,8 +83,12 @@ def test_recipe_served_unaltered_and_lossless_checked_on_gpu(fake_vllm):
     result = ev.evaluate(PROMPTS)
     spec_engine, target_engine = FakeLLM.engines
     assert spec_engine.kwargs["speculative_config"] == {
-        "model": str(fake_vllm), "method": "dspark", "num_speculative_tokens": 8,
-        "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+        "model": str(fake_vllm),
+        "method": "dspark",
+        "num_speculative_tokens": 8,
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "block",
+    }
     assert "speculative_config" not in target_engine.kwargs  # the target alone
     assert spec_engine.closed and target_engine.closed  # one after the other on the GPU
     assert result["lossless"] is True and result["lossless_check"]["prompts"] == 3
@@ -96,7 +105,8 @@ def test_a_difference_is_reported_where_it_starts(fake_vllm, monkeypatch):
     result = ServedEvaluator(settings(fake_vllm)).evaluate(PROMPTS)
     assert result["lossless"] is False
     assert result["lossless_check"]["differing"] == [
-        {"id": "p1", "at_token": 3, "speculative": [8, 9, 10], "target_only": [99, 9, 10]}]
+        {"id": "p1", "at_token": 3, "speculative": [8, 9, 10], "target_only": [99, 9, 10]}
+    ]
 
 
 def test_sampled_tau_with_a_greedy_lossless_pass(fake_vllm):

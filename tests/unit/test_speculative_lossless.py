@@ -50,14 +50,26 @@ def models():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     target = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # sharper than random init's near-uniform logits: the rules must matter
         target.lm_head.weight.mul_(8.0)
-    dcfg = DSparkConfig.from_target(cfg, mask_token_id=V - 1, num_layers=1, block_size=4, markov_rank=8,
-                                    draft_vocab_size=VD, num_aux_layers=2)
+    dcfg = DSparkConfig.from_target(
+        cfg, mask_token_id=V - 1, num_layers=1, block_size=4, markov_rank=8, draft_vocab_size=VD, num_aux_layers=2
+    )
     dcfg.verifier_name_or_path = "tiny-random-llama"
     torch.manual_seed(1)
     drafter = DSparkDrafter(dcfg)
@@ -108,7 +120,9 @@ def test_recipe_is_lossless_at_temperature(models):
     counts, accepted_per_step, long_blocks = decode_counts(recipe_decoder(target, drafter), N)
     stat, df, p = chi_square(counts, exact)
     tv = 0.5 * float((counts / N - exact).abs().sum())
-    assert p >= ALPHA, f"speculative output differs from the target's distribution: chi2 {stat:.1f}, df {df}, p {p:.2e}, TV {tv:.3f}"
+    assert p >= ALPHA, (
+        f"speculative output differs from the target's distribution: chi2 {stat:.1f}, df {df}, p {p:.2e}, TV {tv:.3f}"
+    )
     # The comparison means something only if drafts were accepted, often several per block
     # (block verification's look-ahead), and not always (then the residual is never used).
     assert 0.3 < accepted_per_step < 2.5, accepted_per_step

@@ -13,16 +13,17 @@ from tests.helpers import make_drafter, random_batch, reference_outputs
 speculators = pytest.importorskip("speculators")
 from speculators.model import SpeculatorModel  # noqa: E402
 
-
 CASES = {
     "vanilla": dict(),
     "gated": dict(markov_head_type="gated"),
     "rnn": dict(markov_head_type="rnn"),
     "reduced_vocab": dict(draft_vocab_size=3000),
-    "sliding_causal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-                           sliding_window_non_causal=False),
-    "sliding_noncausal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-                              sliding_window_non_causal=True),
+    "sliding_causal": dict(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6, sliding_window_non_causal=False
+    ),
+    "sliding_noncausal": dict(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6, sliding_window_non_causal=True
+    ),
     "dflash": dict(mode="dflash"),
 }
 
@@ -61,13 +62,19 @@ def test_speculators_checkpoint_in_ours(case, tiny_target, tmp_path, monkeypatch
         d2t, t2d = build_vocab_mapping(torch.arange(template.target_vocab_size) % 97, template.draft_vocab_size)
     torch.manual_seed(3)
     sm = DSparkDraftModel.from_training_args(
-        Qwen3Config(**template.transformer_layer_config()), t2d=t2d, d2t=d2t,
-        verifier_name_or_path=str(tiny_target), draft_vocab_size=template.draft_vocab_size,
-        target_layer_ids=template.aux_layer_ids, mask_token_id=template.mask_token_id, block_size=template.block_size,
-        markov_rank=template.markov_rank, markov_head_type=template.markov_head_type,
+        Qwen3Config(**template.transformer_layer_config()),
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=str(tiny_target),
+        draft_vocab_size=template.draft_vocab_size,
+        target_layer_ids=template.aux_layer_ids,
+        mask_token_id=template.mask_token_id,
+        block_size=template.block_size,
+        markov_rank=template.markov_rank,
+        markov_head_type=template.markov_head_type,
     )
     with torch.no_grad():
-        for name, p in sm.named_parameters():
+        for _name, p in sm.named_parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
     sm.save_pretrained(str(tmp_path / "spec"))

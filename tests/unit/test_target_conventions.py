@@ -22,8 +22,15 @@ def test_attention_shape_per_family():
 
     # DeepSeek-V3 / Kimi K2: transformers reports head_dim = qk_rope_head_dim (64); the drafter
     # takes the value head width, one KV head per query head.
-    ds = DeepseekV3Config(hidden_size=7168, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536,
-                          qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    ds = DeepseekV3Config(
+        hidden_size=7168,
+        num_attention_heads=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
     assert ds.head_dim == 64 and drafter_attention_shape(ds) == (128, 128, 128)
     llama = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
     assert drafter_attention_shape(llama) == (32, 8, 128)
@@ -34,9 +41,22 @@ def test_attention_shape_per_family():
 def test_softcapped_unit_offset_target_logits_match_transformers(tiny_target, tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, final_logit_softcapping=5.0,
-                       sliding_window=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = Gemma2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=5.0,
+        sliding_window=32,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -46,8 +66,10 @@ def test_softcapped_unit_offset_target_logits_match_transformers(tiny_target, tm
     copy_tokenizer(tiny_target, tmp_path)
     dcfg = DSparkConfig.from_target(tmp_path, num_layers=1, block_size=4, markov_rank=8)
     assert dcfg.target_logit_softcap == 5.0 and dcfg.target_norm_unit_offset
-    assert DSparkConfig.from_speculators_dict(json.loads(json.dumps(
-        {**dcfg.to_speculators_dict()}))).target_logit_softcap == 5.0
+    assert (
+        DSparkConfig.from_speculators_dict(json.loads(json.dumps({**dcfg.to_speculators_dict()}))).target_logit_softcap
+        == 5.0
+    )
     drafter = DSparkDrafter(dcfg)
     drafter.load_target_weights(tmp_path)
     tokens = torch.randint(10, 5000, (24,), generator=torch.Generator().manual_seed(1))

@@ -78,7 +78,11 @@ def test_length_bins():
     edges = (0, 1000, 4000)
     bins = by_prompt_length(rows, edges)
     for b in bins:
-        ids = [r.id for r in rows if r.prompt_tokens >= b["min_tokens"] and (b["max_tokens"] is None or r.prompt_tokens < b["max_tokens"])]
+        ids = [
+            r.id
+            for r in rows
+            if r.prompt_tokens >= b["min_tokens"] and (b["max_tokens"] is None or r.prompt_tokens < b["max_tokens"])
+        ]
         assert b["num_prompts"] == len(ids) > 0
         assert b["tau"] == pytest.approx(sum(a + 1 for i in ids for _d, a in raw[i]) / sum(len(raw[i]) for i in ids))
     assert sum(b["num_prompts"] for b in bins) == 60
@@ -95,11 +99,16 @@ def test_stratified_limit_covers_every_category_in_order():
 
 def test_category_read_from_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "category": "math", "prompt": "1+1?"},
-        {"id": "b", "prompt": "hi"},
-        {"id": "c", "category": "", "messages": [{"role": "user", "content": "x"}]},
-    ]))
+    f.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "category": "math", "prompt": "1+1?"},
+                {"id": "b", "prompt": "hi"},
+                {"id": "c", "category": "", "messages": [{"role": "user", "content": "x"}]},
+            ]
+        )
+    )
     convs, _ = read_conversations(f)
     assert [c.category for c in convs] == ["math", None, None]
 

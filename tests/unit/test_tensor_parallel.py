@@ -26,22 +26,32 @@ def test_executor_by_design_not_by_vllms_guess():
     assert executor_backend("cuda", 1) is None
 
 
-@pytest.mark.parametrize("cores, tp, threads, expected", [
-    ([0, 1], 2, None, "0|1"),
-    ([0, 1, 2, 3, 4, 5, 6, 7], 2, None, "0-3|4-7"),
-    ([0, 1, 2, 3, 4, 5, 6, 7], 2, 4, "0-1|2-3"),  # the replica's share of the machine, not all of it
-    ([3, 1, 7, 5], 2, None, "1,3|5,7"),  # an affinity mask that is not contiguous
-    ([0, 1, 2], 3, None, "0|1|2"),  # SmolLM2's 3 KV heads: TP 3
-    ([0], 2, None, "0|0"),  # fewer cores than ranks: ranks share, slow but it runs
-])
+@pytest.mark.parametrize(
+    "cores, tp, threads, expected",
+    [
+        ([0, 1], 2, None, "0|1"),
+        ([0, 1, 2, 3, 4, 5, 6, 7], 2, None, "0-3|4-7"),
+        ([0, 1, 2, 3, 4, 5, 6, 7], 2, 4, "0-1|2-3"),  # the replica's share of the machine, not all of it
+        ([3, 1, 7, 5], 2, None, "1,3|5,7"),  # an affinity mask that is not contiguous
+        ([0, 1, 2], 3, None, "0|1|2"),  # SmolLM2's 3 KV heads: TP 3
+        ([0], 2, None, "0|0"),  # fewer cores than ranks: ranks share, slow but it runs
+    ],
+)
 def test_each_rank_gets_its_own_cores(cores, tp, threads, expected):
     assert omp_bind_per_rank(cores, tp, threads) == expected
 
 
 def test_tp_size_the_heads_cannot_split_is_refused_naming_both_numbers():
-    smol = SimpleNamespace(num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192,
-                           num_attention_heads=9, num_key_value_heads=3)
-    with pytest.raises(ConfigError, match=r"`target\.tensor_parallel_size`: 2 ranks cannot split the target's 9 attention heads"):
+    smol = SimpleNamespace(
+        num_hidden_layers=30,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    with pytest.raises(
+        ConfigError, match=r"`target\.tensor_parallel_size`: 2 ranks cannot split the target's 9 attention heads"
+    ):
         check_against_target(load_config(LOCAL, ["target.tensor_parallel_size=2"]), smol)
     check_against_target(load_config(LOCAL, ["target.tensor_parallel_size=3"]), smol)  # 9 and 3 split three ways
     four = SimpleNamespace(**{**vars(smol), "num_attention_heads": 12, "num_key_value_heads": 3})
@@ -53,28 +63,39 @@ def test_tp_size_the_heads_cannot_split_is_refused_naming_both_numbers():
     check_against_target(load_config(LOCAL, ["target.tensor_parallel_size=4"]), latent)  # MLA: no KV heads to split
 
 
+# A backslash at a line's end joins it with the next (the log's lines are longer than ours);
+# \x20 is a line's trailing space.
 VLLM_WORKER_LOG = """\
 (MainProcess pid=10807) INFO 12-06 03:02:42 [ompmultiprocessing.py:185] 	local_rank=1, core ids=[1]
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] WorkerProc failed to start.
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] Traceback (most recent call last):
-(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]   File "multiproc_executor.py", line 920, in worker_main
+(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]   File "multiproc_executor.py", \
+line 920, in worker_main
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]     worker = WorkerProc(*args, **kwargs)
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]              ^^^^^^^^^^^^^^^^^^^^^^^^^^^
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] KeyError: 'first'
-(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] 
-(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] During handling of the above exception, another exception occurred:
-(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] 
+(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]\x20
+(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] During handling of the above exception, \
+another exception occurred:
+(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]\x20
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] Traceback (most recent call last):
 (VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953]   File "registry.py", line 3, in resolve
-(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] ValueError: Model architectures ['DSparkCaptureLlamaForCausalLM'] are not supported for now.
-(MainProcess pid=10807) INFO 12-06 03:02:57 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit count=2
+(VllmWorker-0 pid=10845) ERROR 12-06 03:02:57 [multiproc_executor.py:953] ValueError: Model architectures \
+['DSparkCaptureLlamaForCausalLM'] are not supported for now.
+(MainProcess pid=10807) INFO 12-06 03:02:57 [multiproc_executor.py:479] [shutdown] Executor: \
+waiting for worker exit count=2
 """
 
 
 def test_the_workers_own_exception_is_found_in_the_shared_log():
-    assert last_exception_line(VLLM_WORKER_LOG) == \
-        "ValueError: Model architectures ['DSparkCaptureLlamaForCausalLM'] are not supported for now."
-    plain = "noise\nTraceback (most recent call last):\n  File \"x.py\", line 1\n    f()\nOSError: [Errno 28] No space left\nlater log line\n"
+    assert (
+        last_exception_line(VLLM_WORKER_LOG)
+        == "ValueError: Model architectures ['DSparkCaptureLlamaForCausalLM'] are not supported for now."
+    )
+    plain = (
+        'noise\nTraceback (most recent call last):\n  File "x.py", line 1\n    f()\n'
+        "OSError: [Errno 28] No space left\nlater log line\n"
+    )
     assert last_exception_line(plain) == "OSError: [Errno 28] No space left"
     assert last_exception_line("INFO all well\nWARNING a warning\n") is None
 
@@ -106,8 +127,17 @@ def test_a_start_up_error_that_repeats_ends_the_group_at_once():
     from cluster.restart_budget import RestartBudget
 
     ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})  # a LedgerClient
-    pool = ReplicaPool("g0", spec=None, ledger=ledger, services=None, role=None, run_name="t", placement_timeout_s=1,
-                       restarts=RestartBudget(5, 3600.0), backoff_s=0.0)
+    pool = ReplicaPool(
+        "g0",
+        spec=None,
+        ledger=ledger,
+        services=None,
+        role=None,
+        run_name="t",
+        placement_timeout_s=1,
+        restarts=RestartBudget(5, 3600.0),
+        backoff_s=0.0,
+    )
     same = "EngineStartError: vLLM engine did not start: a worker process failed to start: ValueError: bad arch"
     pool.ray = FakeRay({"s0": StartFailure(same), "s1": RuntimeError("node lost"), "s2": StartFailure(same)})
     pool.start = lambda placed, owned=False: None  # replacements are not started here
@@ -118,7 +148,9 @@ def test_a_start_up_error_that_repeats_ends_the_group_at_once():
     pool.supervise()  # a death that is not a start-up failure: replaced
     assert pool.restarts.total == 2
     pool.replicas["g0-r2"] = Replica("a2", "s2", placed=None, owned=False)
-    with pytest.raises(ReplicaFailure, match=r"failed to start with the same error as an earlier one.*ValueError: bad arch"):
+    with pytest.raises(
+        ReplicaFailure, match=r"failed to start with the same error as an earlier one.*ValueError: bad arch"
+    ):
         pool.supervise()
     assert pool.restarts.total == 2  # not another restart
 
@@ -133,8 +165,17 @@ def test_replica_deaths_every_few_minutes_for_days_do_not_end_the_group_a_crash_
 
     now = [0.0]
     ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})
-    pool = ReplicaPool("g0", spec=None, ledger=ledger, services=None, role=None, run_name="t", placement_timeout_s=1,
-                       restarts=RestartBudget(5, 3600.0, clock=lambda: now[0]), backoff_s=0.0)
+    pool = ReplicaPool(
+        "g0",
+        spec=None,
+        ledger=ledger,
+        services=None,
+        role=None,
+        run_name="t",
+        placement_timeout_s=1,
+        restarts=RestartBudget(5, 3600.0, clock=lambda: now[0]),
+        backoff_s=0.0,
+    )
     errors = {}
     pool.ray = FakeRay(errors)
     started = []
@@ -153,7 +194,10 @@ def test_replica_deaths_every_few_minutes_for_days_do_not_end_the_group_a_crash_
         if k < 2:
             pool.supervise()
             continue
-        with pytest.raises(ReplicaFailure, match=r"replicas died 6 times within 3600 s \(inference\.max_replica_restarts=5 "
-                                                 r"per inference\.restart_window_s\); last: .*illegal memory access"):
+        with pytest.raises(
+            ReplicaFailure,
+            match=r"replicas died 6 times within 3600 s \(inference\.max_replica_restarts=5 "
+            r"per inference\.restart_window_s\); last: .*illegal memory access",
+        ):
             pool.supervise()
         break

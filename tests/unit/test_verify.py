@@ -108,9 +108,11 @@ def block_without_lookahead(draft, q, p, generator=None):
 def resample_from_target(rule):
     """`rule`, but a rejected position is resampled from the target's distribution instead of
     the residual (the classic bug: the drafted token then counts twice)."""
+
     def broken(draft, q, p, generator=None):
         n, nxt = rule(draft, q, p, generator)
         return (n, nxt) if n == draft.numel() else (n, _sample(p[n], generator))
+
     return broken
 
 
@@ -123,9 +125,11 @@ def test_joint_of_three_tokens_is_the_targets(verify):
     assert pval >= 1e-3, (stat, df, pval)
 
 
-@pytest.mark.parametrize("broken", [accept_all, block_without_lookahead, resample_from_target(verify_block),
-                                    resample_from_target(verify_standard)],
-                         ids=["accept_all", "block_without_lookahead", "block_resample_target", "standard_resample_target"])
+@pytest.mark.parametrize(
+    "broken",
+    [accept_all, block_without_lookahead, resample_from_target(verify_block), resample_from_target(verify_standard)],
+    ids=["accept_all", "block_without_lookahead", "block_resample_target", "standard_resample_target"],
+)
 def test_broken_verifiers_are_rejected(broken):
     """The test above has the power to see wrong rules: the same statistic and sample size."""
     p, q = tables(0)

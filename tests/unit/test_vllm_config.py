@@ -39,8 +39,17 @@ def test_convention_keys_are_explicit(tiny_target, tmp_path):
     """vLLM defaults sample_from_anchor to False when absent: that would shift every draft slot."""
     save_drafter(make_drafter(tiny_target), tmp_path / "d")
     raw = json.loads((tmp_path / "d" / "config.json").read_text())
-    for key in ("sample_from_anchor", "mask_token_id", "aux_hidden_state_layer_ids", "block_size", "markov_rank",
-                "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sliding_window_non_causal"):
+    for key in (
+        "sample_from_anchor",
+        "mask_token_id",
+        "aux_hidden_state_layer_ids",
+        "block_size",
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+        "sliding_window_non_causal",
+    ):
         assert key in raw, key
     assert raw["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
 

@@ -32,15 +32,24 @@ def test_a_condition_that_holds_at_once_needs_no_time():
 def test_past_the_deadline_the_error_names_what_was_awaited():
     clock = FakeClock()
     with pytest.raises(TimeoutError, match=r"the master to answer: not within 2s"):
-        wait_until(lambda: False, timeout_s=2, interval_s=0.5, what="the master to answer", clock=clock, sleep=clock.sleep)
+        wait_until(
+            lambda: False, timeout_s=2, interval_s=0.5, what="the master to answer", clock=clock, sleep=clock.sleep
+        )
     assert clock.now == pytest.approx(2.5)  # polled at 0, 0.5, ..., 2.5: the last poll is past the deadline
 
 
 def test_a_custom_error_and_a_backoff():
     clock = FakeClock()
     with pytest.raises(KeyError):
-        wait_until(lambda: None, timeout_s=0.1, interval_s=lambda n: 0.02 * n, what="x", on_timeout=lambda: KeyError("k"),
-                   clock=clock, sleep=clock.sleep)
+        wait_until(
+            lambda: None,
+            timeout_s=0.1,
+            interval_s=lambda n: 0.02 * n,
+            what="x",
+            on_timeout=lambda: KeyError("k"),
+            clock=clock,
+            sleep=clock.sleep,
+        )
     assert clock.sleeps[:3] == pytest.approx([0.02, 0.04, 0.06])
 
 
@@ -64,13 +73,26 @@ def test_the_trainers_wait_for_data_has_a_deadline_counted_from_its_last_step_or
 
     cfg = JobConfig()
     cfg.trainer.data_timeout_s = 100.0
-    counts = LedgerCounts(pending=3, generating=2, total=5, epochs=1, produced_samples=7,
-                          groups={"g0": GroupCounts(generating=2)})
+    counts = LedgerCounts(
+        pending=3, generating=2, total=5, epochs=1, produced_samples=7, groups={"g0": GroupCounts(generating=2)}
+    )
     now = time.monotonic()
     committer = SimpleNamespace(uncommitted=[])
-    loop = TrainingLoop(cfg.trainer, True, SimpleNamespace(counts=lambda: counts), gang=None, world=None,
-                        committer=committer, record=None, supervisor=None, reporter=None, planner=None, stats=None,
-                        control=None, events=None)
+    loop = TrainingLoop(
+        cfg.trainer,
+        True,
+        SimpleNamespace(counts=lambda: counts),
+        gang=None,
+        world=None,
+        committer=committer,
+        record=None,
+        supervisor=None,
+        reporter=None,
+        planner=None,
+        stats=None,
+        control=None,
+        events=None,
+    )
     loop.produced_seen, loop.produced_at = 7, now - 500.0
     loop.wait_for_data()  # the first wait: the count starts now
     assert loop.waiting_since >= now

@@ -26,8 +26,9 @@ def test_groups_sharing_a_node_split_its_segment_by_need():
 
 
 def test_the_master_lending_its_memory_is_shared_by_every_group():
-    cfg = two_groups("transport.segment_host=master", "topology.groups.0.max_replicas=2",
-                     "topology.groups.1.max_replicas=2")
+    cfg = two_groups(
+        "transport.segment_host=master", "topology.groups.0.max_replicas=2", "topology.groups.1.max_replicas=2"
+    )
     marks = group_watermarks(cfg, {"n0": {"g0"}, "n1": {"g1"}})
     assert marks["g0"] == marks["g1"] == (int((1000 << 20) * 0.5 * 0.7), int((1000 << 20) * 0.5 * 0.5))
 
@@ -35,7 +36,9 @@ def test_the_master_lending_its_memory_is_shared_by_every_group():
 def test_which_groups_share_a_node_comes_from_the_placed_replicas():
     from types import SimpleNamespace as NS
 
-    placed = [NS(spec=NS(role="inference", group="g0"), bundle_nodes=["a"]),
-              NS(spec=NS(role="inference", group="g1"), bundle_nodes=["a", "b"]),
-              NS(spec=NS(role="trainer", group="g1"), bundle_nodes=["c"])]
+    placed = [
+        NS(spec=NS(role="inference", group="g0"), bundle_nodes=["a"]),
+        NS(spec=NS(role="inference", group="g1"), bundle_nodes=["a", "b"]),
+        NS(spec=NS(role="trainer", group="g1"), bundle_nodes=["c"]),
+    ]
     assert groups_on_nodes(placed) == {"a": {"g0", "g1"}, "b": {"g1"}}
