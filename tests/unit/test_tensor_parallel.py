@@ -122,12 +122,13 @@ class StartFailure(Exception):
     actor_init_failed = True
 
 
-def test_a_start_up_error_that_repeats_ends_the_group_at_once():
-    from cluster.inference import Replica, ReplicaFailure, ReplicaPool
-    from cluster.restart_budget import RestartBudget
+def supervised_pool(restarts):
+    """A pool whose `supervise` runs against fakes: a ledger that takes deaths back (a
+    LedgerClient's two calls), no placement, replacements due at once."""
+    from cluster.inference import ReplicaPool
 
-    ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})  # a LedgerClient
-    pool = ReplicaPool(
+    ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})
+    return ReplicaPool(
         "g0",
         spec=None,
         ledger=ledger,
@@ -135,9 +136,16 @@ def test_a_start_up_error_that_repeats_ends_the_group_at_once():
         role=None,
         run_name="t",
         placement_timeout_s=1,
-        restarts=RestartBudget(5, 3600.0),
+        restarts=restarts,
         backoff_s=0.0,
     )
+
+
+def test_a_start_up_error_that_repeats_ends_the_group_at_once():
+    from cluster.inference import Replica, ReplicaFailure
+    from cluster.restart_budget import RestartBudget
+
+    pool = supervised_pool(RestartBudget(5, 3600.0))
     same = "EngineStartError: vLLM engine did not start: a worker process failed to start: ValueError: bad arch"
     pool.ray = FakeRay({"s0": StartFailure(same), "s1": RuntimeError("node lost"), "s2": StartFailure(same)})
     pool.start = lambda placed, owned=False: None  # replacements are not started here
@@ -160,22 +168,11 @@ def test_replica_deaths_every_few_minutes_for_days_do_not_end_the_group_a_crash_
     `inference.restart_window_s`): a replica dying every 20 minutes for three simulated days is
     replaced every time (216 deaths against a budget of 5); five deaths within a minute, then a
     sixth, end the group with the last cause and the window named."""
-    from cluster.inference import Replica, ReplicaFailure, ReplicaPool
+    from cluster.inference import Replica, ReplicaFailure
     from cluster.restart_budget import RestartBudget
 
     now = [0.0]
-    ledger = SimpleNamespace(replica_died=lambda rid, cause="": 0, hung_replicas=lambda timeout: {})
-    pool = ReplicaPool(
-        "g0",
-        spec=None,
-        ledger=ledger,
-        services=None,
-        role=None,
-        run_name="t",
-        placement_timeout_s=1,
-        restarts=RestartBudget(5, 3600.0, clock=lambda: now[0]),
-        backoff_s=0.0,
-    )
+    pool = supervised_pool(RestartBudget(5, 3600.0, clock=lambda: now[0]))
     errors = {}
     pool.ray = FakeRay(errors)
     started = []
