@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
 
+    # A Ray of its own, or a head on loopback: every listener stays there. Before `import ray`:
+    # Ray reads its one-machine switch when it is imported.
+    keep_ray_on_loopback(head)
     import ray
 
     from cluster.box import plan_box
@@ -180,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    keep_ray_on_loopback(head)  # a Ray of its own, or a head on loopback: every listener stays there
     warn_short_stop_wait()
     if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
