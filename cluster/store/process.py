@@ -81,7 +81,6 @@ class SupervisedProcess:
         self.port = port or free_port(host)
         self.log_dir = Path(log_dir) if log_dir else None
         self.generation = 0  # bumped at every (re)start: a new generation has no keys
-        self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # set by stop(): ends the watcher at once, not after its interval
@@ -121,6 +120,11 @@ class SupervisedProcess:
     @property
     def address(self) -> str:
         return f"{self.advertise_host}:{self.port}"
+
+    @property
+    def restarts(self) -> int:
+        """Restarts taken so far (the budget counts each one it granted)."""
+        return self.restart_budget.total
 
     def info(self) -> dict:
         failure = self.failure
@@ -199,7 +203,6 @@ class SupervisedProcess:
                 + f"; its logs: {self.log_dir}): not restarted again"
             )
             return False
-        self.restarts += 1
         # backoff: the k-th restart within the window waits 2^(k-1) s (at most MAX_BACKOFF_S)
         if self._stopping.wait(min(2.0 ** (self.restart_budget.recent() - 1) - 1.0, MAX_BACKOFF_S)):
             return True
