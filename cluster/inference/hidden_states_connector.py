@@ -6,9 +6,13 @@ together with the capturing target (`capture_model`, this room's too), which cac
 token in a KV-cache-shaped buffer as it decodes. When a request finishes, the scheduler side of this
 connector plans a save (key, token ids, loss mask) and the worker side copies the request's
 rows out of that buffer and puts them into the store:
-- on CPU synchronously (no CUDA streams or pinned memory there);
+- on CPU synchronously (no CUDA streams or pinned memory there), the put tried at once and, on a
+  full store, again at the engine's next steps (never waited out inside one: `sample_puts`);
 - on GPU with an asynchronous device→host copy on a side stream, the put running in a
   thread pool once the copy's event fires (the forward pass is not blocked).
+Each put has a deadline from when it is queued (`put_retry_s`), shorter than the replica's flush
+waits for it: past it the put is given up, untried if it never was, and the sample reported not
+stored.
 Only tensor-parallel rank 0 writes. The request's `kv_transfer_params` carry our inputs
 (`{"dspark": {"key": ..., "assistant_spans": [[start, end), ...]}}`) and come back with the
 `SampleRef` fields (key, shapes; and a file backend's path) as a plain dict, since vLLM carries
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import vllm.envs as envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
@@ -37,11 +42,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.logger import init_logger
 
 from cluster.inference.capture_model import LAYER_IDS_KEY
-from cluster.store import HiddenStateStore, put_with_retry
+from cluster.inference.sample_puts import SamplePuts
+from cluster.store import HiddenStateStore
 from dspark.samples import Sample, write_sample
 
 logger = init_logger(__name__)
 PARAMS_KEY = "dspark"
+# The share of vLLM's `execute_model` RPC timeout one engine step may spend trying puts (CPU, where
+# the tries run inside that call): 30 s of the default 300 s, the rest left to the step's forward.
+STEP_PUT_SHARE = 0.1
+
+
+def step_put_budget_s(extra: dict) -> float:
+    """How long one engine step may spend trying puts (`step_put_budget_s` in the connector's
+    config, or `STEP_PUT_SHARE` of vLLM's `execute_model` timeout as this process reads it)."""
+    return float(extra.get("step_put_budget_s", envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS * STEP_PUT_SHARE))
 
 
 def loss_mask_for(num_tokens: int, prompt_len: int, assistant_spans: list) -> torch.Tensor:
@@ -91,9 +106,9 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events: dict[str, Any] = {}
         self._accumulated_finished_req_ids: set[str] = set()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._executor = ThreadPoolExecutor(
-            max_workers=int(extra.get("num_writer_threads", 8)), thread_name_prefix="dspark-hs-put"
-        )
+        writer_threads = int(extra.get("num_writer_threads", 8))
+        # GPU writer threads (started on first use): the file backend's here, the store's in `_puts`
+        self._executor = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="dspark-hs-file")
         self.backend = extra.get("backend", "mooncake")
         if self.backend not in ("mooncake", "file"):
             raise ValueError(f"unknown hidden-state backend {self.backend!r} (mooncake | file)")
@@ -102,6 +117,7 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         # to its Ray workers), never in this config, which vLLM logs.
         self.store_config = {**extra.get("store", {}), "sample_key": os.environ.get("DSPARK_SAMPLE_KEY", "")}
         self.put_retry_s = float(extra.get("put_retry_s", 600.0))
+        self._puts = SamplePuts(self.store, self.put_retry_s, step_put_budget_s(extra), writer_threads)
         self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
         self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
         if not self.layer_ids:
@@ -164,6 +180,7 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
             if isinstance(meta, StoreSaveMetadata):
                 for save in meta.saves:
                     self._save(save)
+        self._puts.advance()
         return self._report_finished(finished_req_ids)
 
     def _report_finished(self, finished_req_ids):
@@ -194,8 +211,14 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         kv = self._kv_cache
         if kv.device.type == "cpu":
             hidden = extract_from_kv_cache(kv, slots, n)  # advanced indexing: already a copy
-            self._write(save, hidden)
-            self._req_copy_events[save.req_id] = _Done()
+            if self.backend == "file":
+                self._write_file(save, hidden)
+                self._req_copy_events[save.req_id] = _Done()
+                return
+            # Tried by this step's `advance`. The request is reported done (its KV blocks freed) once
+            # the put is settled; until then vLLM keeps stepping the engine, and those steps retry a
+            # put the store refused.
+            self._req_copy_events[save.req_id] = self._puts.queue(save.key, self._sample(save, hidden))
             return
         stream = self._get_copy_stream()
         ready = torch.cuda.Event()
@@ -209,25 +232,27 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         copied.record(stream)
         self._req_copy_events[save.req_id] = copied
 
-        def finish() -> None:
+        def copied_host() -> torch.Tensor:
             copied.synchronize()
-            self._write(save, host)
+            return host
 
-        future = self._executor.submit(finish)
+        if self.backend == "file":
+            future = self._executor.submit(lambda: self._write_file(save, copied_host()))
+        else:
+            # queued now: its deadline runs from here, not from when a writer thread is free
+            future = self._puts.submit(self._puts.queue(save.key), lambda: self._sample(save, copied_host()))
         future.add_done_callback(
             lambda f, rid=save.req_id: (
                 f.exception() and logger.error("hidden-state put failed for %s: %r", rid, f.exception())
             )
         )
 
-    def _write(self, save: PlannedSave, hidden: torch.Tensor) -> None:
-        sample = Sample(save.token_ids, save.loss_mask, hidden, self.layer_ids)
-        if self.backend == "file":
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            write_sample(self._file_path(save.key), sample)
-            return
-        # A full store is backpressure: wait for consumers to free space, never drop the sample.
-        put_with_retry(self.store(), save.key, sample, self.put_retry_s)
+    def _sample(self, save: PlannedSave, hidden: torch.Tensor) -> Sample:
+        return Sample(save.token_ids, save.loss_mask, hidden, self.layer_ids)
+
+    def _write_file(self, save: PlannedSave, hidden: torch.Tensor) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        write_sample(self._file_path(save.key), self._sample(save, hidden))
 
 
-__all__ = ["MooncakeHiddenStatesConnector", "loss_mask_for"]
+__all__ = ["MooncakeHiddenStatesConnector", "loss_mask_for", "step_put_budget_s"]

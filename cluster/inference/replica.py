@@ -46,7 +46,9 @@ SAMPLE_KEY_ENV = "DSPARK_SAMPLE_KEY"
 CONNECTOR_MODULE = "cluster.inference.hidden_states_connector"
 # A put retries against a full store until this long before its flush gives up: a put that
 # outlived the flush would store a sample the replica had already reported failed (a leaked
-# object, and an attempt lost); so the put ends first, and a failed put stores nothing.
+# object, and an attempt lost); so the put ends first, and a failed put stores nothing. The put's
+# deadline runs from when the connector queues it: during `generate`, or in the flush's first engine
+# step (no forward in it), so well within this margin of the flush's start.
 PUT_MARGIN_S = 10.0
 
 
@@ -67,7 +69,10 @@ class InferenceSettings:
     extract: bool = True  # False: a plain engine (reference generations in tests)
     chat: ChatFormat = TOKENIZER_DEFAULT  # how prompts are rendered (target.chat_template*)
     # How long a batch's hidden states may take to reach the store, a full store's backpressure
-    # included; the connector's puts give up `PUT_MARGIN_S` sooner (`engine_kwargs`).
+    # included; the connector's puts give up `PUT_MARGIN_S` sooner (`engine_kwargs`). The replica
+    # is paused that long, its engine alive: with TP > 1 on CPU each engine step, an RPC that vLLM
+    # gives up after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, tries the puts for a share of that only
+    # (`cluster.inference.sample_puts`), so this may be longer.
     flush_timeout_s: float = 600.0
     cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
     span: EngineSpan | None = None  # an engine over several nodes: this process's part of it
@@ -353,7 +358,9 @@ class InferenceActor(Producer):
 
     def _flush(self, produced: list[Produced]) -> None:
         """Writes happen when the engine next steps after a request finishes; step until every
-        sample is in the store (or its file exists), or mark the missing ones failed."""
+        sample is in the store (or its file exists), or mark the missing ones failed: their puts
+        were given up (the connector logs why, with the store's error), so nothing of them
+        lands later, and the ledger hands their prompts out again."""
         s = self.settings
 
         def present(r: Produced) -> bool:
@@ -377,7 +384,11 @@ class InferenceActor(Producer):
         except TimeoutError:
             pass  # what is still missing is reported below, per prompt
         for r in waiting:
-            r.error, r.ref = "hidden states never reached the store", None
+            r.error = (
+                f"hidden states not stored: {r.ref.key} still missing after {s.flush_timeout_s:g}s "
+                "(a store full all that time, or a put the store refused: the engine's log names its error)"
+            )
+            r.ref = None
 
     def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
         done = self.process([{"id": t.id, "messages": t.messages, "key": t.key} for t in prompts])

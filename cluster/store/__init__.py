@@ -8,6 +8,7 @@ puts a replica's hidden states into the store is the inference room's
 """
 
 from cluster.store.client import (
+    TRANSIENT,
     HiddenStateStore,
     SampleMissing,
     StoreConfig,
@@ -15,6 +16,7 @@ from cluster.store.client import (
     StoreFull,
     StoreUnavailable,
     probe,
+    put_backoff_s,
     put_with_retry,
 )
 from cluster.store.master import MooncakeMaster
@@ -24,6 +26,7 @@ from cluster.store.services import StoreServices
 from cluster.store.wire import SampleRef, sample_from_buffer, sample_parts
 
 __all__ = [
+    "TRANSIENT",
     "HiddenStateStore",
     "MooncakeMaster",
     "NodeStore",
@@ -38,6 +41,7 @@ __all__ = [
     "free_port",
     "mooncake_binary",
     "probe",
+    "put_backoff_s",
     "put_with_retry",
     "sample_from_buffer",
     "sample_parts",

@@ -86,6 +86,12 @@ class SampleMissing(StoreError):
     """The key is not in the store (never written, removed, or lost with a restarted master)."""
 
 
+def put_backoff_s(tries: int) -> float:
+    """Seconds before the next try of a put the store refused `tries` times: soon after one
+    refusal, at most five a second while the store stays full."""
+    return min(0.02 * tries, 0.2)
+
+
 def put_with_retry(
     store: HiddenStateStore, key: str, sample: Sample, timeout_s: float, stopping=lambda: False
 ) -> tuple[SampleRef, int]:
@@ -106,7 +112,7 @@ def put_with_retry(
     ref = wait_until(
         put,
         timeout_s=timeout_s,
-        interval_s=lambda n: min(0.02 * n, 0.2),
+        interval_s=put_backoff_s,
         what=f"a put of {key}",
         on_timeout=lambda: last,
     )
