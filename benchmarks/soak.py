@@ -5,11 +5,13 @@
 What runs is the project's own code, called as the job calls it: one `SampleLedger` (in this
 process, or with `--ray` in a Ray actor behind `LedgerClient`, as `TrainingJob` builds it), the
 `TrainingRecord` (add per step, commit with each checkpoint, `rollback_to` on a restart), and
-the checkpoint as `Committer.commit` takes it (`checkpoint_state` written as `ledger.json`, the
-record's rows in `meta.json`, then `commit` and `abandoned_keys`); recovery as the job recovers
-(`replica_died`, `hung_replicas` found by the supervisor's check, `trainer_restarted` with the
-record rolled back, `master_restarted` with the step's `release_lease`, and a stop and resubmit:
-a new ledger `load_state_dict`-ed from the last checkpoint's `ledger.json`).
+the checkpoint as `Committer.commit` takes it (the ledger's `checkpoint_delta`, or its
+`checkpoint_state` for a base, written by `write_ledger_state` as a link of the checkpoints'
+`LedgerChain`, the files' digests and the record's rows in `meta.json`, then `commit` and
+`abandoned_keys`); recovery as the job recovers (`replica_died`, `hung_replicas` found by the
+supervisor's check, `trainer_restarted` with the record rolled back, `master_restarted` with the
+step's `release_lease`, and a stop and resubmit: a new ledger `load_state_dict`-ed from the last
+checkpoint's state, `load_ledger_state`).
 
 What is simulated: time (the ledger's `clock` is a `SimClock`, one tick per trainer step of
 `--step-s` simulated seconds); the producers (replay-like: each replica takes `--replica-batch`
@@ -22,7 +24,7 @@ and resizes, the time budget's `shorten`, reserved prompts, `release_samples=aft
 
 Printed: per decile of the run (by samples trained) the control path's cost per step (the
 supervisor's `hung_replicas` and `counts`, `lease_step`, `to_generate`, `record.add`), the
-producers' cost per call, each checkpoint's time (state / write / record) and bytes, and its
+producers' cost per call, each checkpoint's time (state / write / record) and the bytes it wrote, and its
 cost per changed row (samples produced + trained since the one before); the restarts by cause;
 the faults injected; the exactly-once proof (`TrainingRecord.verify` against `outcome()`); the
 issue's goals marked PASS/FAIL (measurements, not assertions). `run_soak(argv)` returns it all.
@@ -31,6 +33,7 @@ issue's goals marked PASS/FAIL (measurements, not assertions). `run_soak(argv)` 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -48,6 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.soak_chaos import KINDS, Chaos, SimClock, SimLedger, cpu_model, decile_table, format_table, percentiles  # noqa: E402
 from cluster.data import ExactlyOnceViolation, LedgerClient, ProducedSample, SampleLedger, TrainingRecord, quarantined  # noqa: E402
+from cluster.data.ledger_checkpoint import LedgerChain, load_ledger_state, write_ledger_state, written_digests  # noqa: E402
+from cluster.data.ledger_entry import poison_samples  # noqa: E402
+from cluster.job.poison import PoisonSearch, lease_test  # noqa: E402
 from cluster.store import SampleRef  # noqa: E402
 
 LAYERS, HIDDEN = (0, 1, 2), 64  # a sample's shape: ~390 bytes a token, ~110 kB an answer
@@ -56,6 +62,17 @@ EPOCHS = 3
 
 class Stalled(RuntimeError):
     pass
+
+
+def ledger_digests(tmp: Path) -> dict[str, dict]:
+    """What rank 0's `cluster.training.checkpoints.file_digests` records of the ledger's files
+    (not imported here: the training room brings torch, whose objects would be in every garbage
+    collection this process measures): the chain's files as they were written, the rest hashed."""
+    known = written_digests(tmp)
+    return {
+        f.name: known.get(f.name) or {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        for f in sorted(tmp.iterdir())
+    }
 
 
 def tokens_of(prompt_id: str) -> int:
@@ -75,6 +92,9 @@ class Replica:
 class Soak:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a, self.rng = a, random.Random(f"soak/{a.seed}")
+        # what the costs are measured in: wall time, or this process's CPU time (on a machine
+        # shared with other work, whose load would otherwise be in every figure)
+        self.timer = time.process_time if a.clock == "cpu" else time.perf_counter
         self.prompts = [{"id": f"p{i}", "messages": []} for i in range(a.prompts)]
         self.total = a.prompts * EPOCHS
         self.groups = [f"g{i:03d}" for i in range(a.groups)]
@@ -87,6 +107,9 @@ class Soak:
         picks = self.rng.sample(range(a.prompts), a.poison_prompts + a.poison_samples)
         self.poison_prompts = {f"p{i}" for i in picks[: a.poison_prompts]}
         self.poison_samples = {f"p{i}@0": 0 for i in picks[a.poison_prompts :]}  # uid -> ranks it killed
+        # the job's poison-sample search (`cluster.job.poison`), as the training loop drives it; each
+        # search's end: {"verdict", "uid", "samples" of the step it began with, "failures" of its tests}
+        self.search, self.searches = PoisonSearch(), []
         for name, kind in [(p, "poison_prompt") for p in sorted(self.poison_prompts)] + [
             (u, "poison_sample") for u in sorted(self.poison_samples)
         ]:
@@ -95,6 +118,7 @@ class Soak:
         self.restarts, self.hangs, self.full_watch = Counter(), Counter(), {}
         self.step = self.committed_rows = self.changed = 0
         self.ckpts: list[Path] = []
+        self.chain = LedgerChain()  # the Committer's
         self.master_gen = self.incarnation = self.serial = 0
         self.waiting: list[str] = []  # drawn faults with nothing to hit yet
         self.in_step: list[str] = []  # faults that strike the next step (between its lease and its read)
@@ -141,17 +165,17 @@ class Soak:
 
     def timed(self, name: str, fn, *args):
         """A call of the step's control path: its time goes to the step and to the call's own list."""
-        t = time.perf_counter()
+        t = self.timer()
         out = fn(*args)
-        dt = time.perf_counter() - t
+        dt = self.timer() - t
         self.step_cost += dt
         self.calls.setdefault(name, []).append(dt)
         return out
 
     def timed_recovery(self, name: str, fn, *args):
-        t = time.perf_counter()
+        t = self.timer()
         out = fn(*args)
-        self.recovery.setdefault(name, []).append(time.perf_counter() - t)
+        self.recovery.setdefault(name, []).append(self.timer() - t)
         return out
 
     @property
@@ -180,15 +204,15 @@ class Soak:
                     continue
                 wide = HIDDEN * (64 if rep.big else 1)  # 64×: one batch of 8 passes a 200-sample watermark
                 results = [ProducedSample(t.uid, SampleRef(t.key, tokens_of(t.id), LAYERS, wide)) for t in rep.tasks]
-                t0 = time.perf_counter()
+                t0 = self.timer()
                 self.ledger.report_produced(rep.rid, results)
-                self.produce_costs.append((self.done, time.perf_counter() - t0))
+                self.produce_costs.append((self.done, self.timer() - t0))
                 self.changed += len(results)
                 rep.tasks, rep.big = [], max(rep.big - 1, 0)
             if not rep.tasks and not rep.hung:
-                t0 = time.perf_counter()
+                t0 = self.timer()
                 rep.tasks = self.ledger.request_prompts(rep.rid, a.replica_batch, rep.group)
-                self.produce_costs.append((self.done, time.perf_counter() - t0))
+                self.produce_costs.append((self.done, self.timer() - t0))
                 rep.done_at = now + a.gen_s * self.rng.uniform(0.5, 1.5)
 
     # ---- faults ----------------------------------------------------------------------------------
@@ -248,7 +272,12 @@ class Soak:
 
     def train_step(self, counts) -> str:
         step, ledger = self.step + 1, self.ledger
-        lease = self.timed("lease_step", ledger.lease_step, step, self.rank_groups, self.a.batch_tokens)
+        lease = None
+        if self.search.active():  # only its suspects until it ends, as the loop leases (`TrainingLoop.lease`)
+            lease, verdict = lease_test(self.search, ledger, step, self.rank_groups, self.a.batch_tokens)
+            self.search_ended(verdict)
+        if lease is None:
+            lease = self.timed("lease_step", ledger.lease_step, step, self.rank_groups, self.a.batch_tokens)
         uids = [s.uid for rows in lease or () for s in rows]
         if "master_restart" in self.in_step:  # the store's keys are gone; this step cannot be read
             self.in_step.remove("master_restart")
@@ -259,7 +288,7 @@ class Soak:
                 self.timed_recovery("release_lease", ledger.release_lease, step, uids)
             self.restarts["store: master_restart"] += 1
             return "waited"
-        if "rank_death" in self.in_step:
+        if "rank_death" in self.in_step:  # (not told to a search: the job would count it as a failed test)
             self.in_step.remove("rank_death")
             self.chaos.record(self.clock.t, step, "rank_death", f"step {step}")
             self.trainer_restart("rank_death")
@@ -270,11 +299,19 @@ class Soak:
             if self.record.pending and counts.paused:  # the loop's early checkpoint: only a commit makes room
                 self.checkpoint("early: store full")
             return "waited"
-        killers = [u for u in uids if u in self.poison_samples and self.poison_samples[u] < self.a.poison_sample_kills]
-        if killers:  # the ledger cannot blame a sample: it is leased again after each restart
+        killers = [u for u in self.poison_samples if any(x.rsplit("@", 1)[0] == u.rsplit("@", 1)[0] for x in uids)]
+        if killers:  # a rank dies on it: the search begins, or this was one of its tests (`TrainingLoop.restart`)
             self.poison_samples[killers[0]] += 1
+            cause = f"a trainer rank died during step {step}: killed by {killers[0]}"
+            if self.search.active():
+                self.search_ended(self.search.failed(step, uids, cause))
+            else:
+                self.search.start(step, uids, cause)
+                self.searching_from = (len(uids), self.search.bound())
             self.trainer_restart("poison_sample")
             return "waited"
+        if self.search.active():
+            self.search_ended(self.search.passed(step, uids))
         self.timed("to_generate", ledger.to_generate)
         self.timed(
             "record.add", lambda: [self.record.add(step, r, self.rank_groups[r], rows) for r, rows in enumerate(lease)]
@@ -287,25 +324,41 @@ class Soak:
             self.checkpoint("interval")
         return "stepped"
 
+    def search_ended(self, verdict) -> None:
+        """A poison-sample search's verdict (None: it goes on): a poison sample is quarantined."""
+        if verdict is None:
+            return
+        if verdict.uid is not None:
+            self.timed_recovery("quarantine_sample", self.ledger.quarantine_sample, verdict.uid, verdict.cause)
+        n, bound = self.searching_from
+        failures = self.search.failures
+        self.searches.append(
+            {"verdict": verdict.kind, "uid": verdict.uid, "samples": n, "bound": bound, "failures": failures}
+        )
+
     def checkpoint(self, why: str) -> None:
         """`Committer.commit`: the ledger's state inside the checkpoint, the record's rows with it,
         then the ledger commits; the last two checkpoints stay."""
-        step, t0 = self.step, time.perf_counter()
-        state = self.ledger.checkpoint_state(step)
-        t1 = time.perf_counter()
+        step, t0 = self.step, self.timer()
+        state = None if self.chain.wants_base() else self.ledger.checkpoint_delta(step)
+        delta = state is not None
+        state = self.chain.link(state if delta else self.ledger.checkpoint_state(step), delta)
+        t1 = self.timer()
         tmp, dest = self.dir / "ckpt" / f"tmp-{step}", self.dir / "ckpt" / f"step-{step:07d}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(state)
-        (tmp / "ledger.json").write_text(text)
-        t2 = time.perf_counter()
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_ledger_state(tmp, state)
+        files = ledger_digests(tmp)
+        t2 = self.timer()
         rows = self.record.commit(step)
-        t3 = time.perf_counter()
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "record_rows": rows}))
+        t3 = self.timer()
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "record_rows": rows, "files": files}))
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
+        self.chain.published(dest)
         self.ledger.commit(step)
         self.ledger.abandoned_keys()
-        t4 = time.perf_counter()
+        t4 = self.timer()
         self.ckpt_costs.append(
             {
                 "done": rows,
@@ -313,7 +366,9 @@ class Soak:
                 "state_s": t1 - t0,
                 "write_s": t2 - t1,
                 "record_s": t3 - t2,
-                "bytes": len(text),
+                "bytes": sum(f.stat().st_size for f in dest.iterdir() if f.stat().st_nlink == 1),  # (written now)
+                "chain_bytes": sum(f.stat().st_size for f in dest.iterdir()),
+                "base": not delta,
                 "changed": max(self.changed, 1),
                 "why": why,
             }
@@ -326,30 +381,30 @@ class Soak:
 
     def resubmit(self) -> None:
         """A stop mid-epoch (its checkpoint commits what was trained) and the job submitted again:
-        a new ledger from the checkpoint's `ledger.json`, the record rolled back to its rows, new
-        replicas and a new store."""
+        a new ledger from the checkpoint's ledger state, the record rolled back to its rows, new
+        replicas and a new store (and a new Committer: its first checkpoint writes a base)."""
         if self.record.pending:
             self.checkpoint("stop")
         self.chaos.record(self.clock.t, self.step, "resubmit", f"at {self.done} samples")
         self.events += self.ledger_events()
-        t0 = time.perf_counter()
+        t0 = self.timer()
         if self.actor is not None:
             import ray
 
             ray.kill(self.actor)
-        state = json.loads((self.ckpts[-1] / "ledger.json").read_text()) if self.ckpts else None
+        state = load_ledger_state(self.ckpts[-1]) if self.ckpts else None
+        self.chain = LedgerChain()
         self.ledger = self.new_ledger()
         self.sync_clock()
         if state is not None:
             self.ledger.load_state_dict(state, 0)
         self.step, rows = self.last_checkpoint()
         self.record.rollback_to(rows)
-        self.recovery.setdefault("resubmit (new ledger + load_state_dict + rollback_to)", []).append(
-            time.perf_counter() - t0
-        )
+        self.recovery.setdefault("resubmit (new ledger + load_state_dict + rollback_to)", []).append(self.timer() - t0)
         self.committed_rows, self.master_gen = rows, 0
         self.hangs["cleared by resubmit"] += sum(r.hung for r in self.replicas.values())
         self.incarnation += 1
+        self.search = PoisonSearch()  # (the driver's: a resubmitted job has none)
         self.replicas = {}
         for g in self.groups:
             for _ in range(self.a.replicas):
@@ -416,8 +471,11 @@ class Soak:
             "quarantined": quarantined(outcome["failed"]),
             "poison_prompts": sorted(self.poison_prompts),
             "poison_samples": dict(self.poison_samples),
+            "searches": self.searches,
+            "quarantined_samples": poison_samples(outcome["failed"]),
             "ledger_events": Counter(e["event"] for e in events),
             "all_steps": [c for _, c in self.step_costs],
+            "chain": chain_summary(self.ckpt_costs),
             "recovery": {k: percentiles(v) + (len(v),) for k, v in self.recovery.items()},
             "calls": {k: percentiles(v) + (len(v),) for k, v in self.calls.items()},
         }
@@ -427,13 +485,21 @@ def print_report(r: dict, a: argparse.Namespace) -> None:
     mode = "Ray actor via LedgerClient" if a.ray else "in-process"
     print(
         f"soak: {a.prompts} prompts × {EPOCHS} epochs, {a.groups} groups × {a.replicas} replicas × {a.ranks} ranks, "
-        f"checkpoint every {a.checkpoint_every} steps, ledger {mode}, chaos ×{a.chaos_scale:g}, seed {a.seed}"
+        f"checkpoint every {a.checkpoint_every} steps, ledger {mode}, chaos ×{a.chaos_scale:g}, seed {a.seed}, "
+        f"costs in {a.clock} time"
     )
     print(
         f"CPU: {r['cpu']}; {r['steps']} steps, {r['simulated_h']:.1f} simulated h in {r['wall_s']:.1f} s wall; "
         f"ended: {r['ended'] or 'drained (all data trained)'}"
     )
     print(format_table(r["table"]))
+    c = r["chain"]
+    print(
+        f"ledger checkpoints: {c['bases']} bases (s max {c['base_s'][2]:.2f}, MB max {c['base_mb_max']:.1f}), "
+        f"{c['deltas']} deltas (s p50/p99/max {c['delta_s'][0]:.3f}/{c['delta_s'][1]:.3f}/{c['delta_s'][2]:.3f}, "
+        f"MB p50/max {c['delta_mb'][0]:.2f}/{c['delta_mb'][2]:.2f}); a checkpoint's whole chain MB max "
+        f"{c['chain_mb_max']:.1f}"
+    )
     print(
         "the step's calls (ms p50/p99/max, n): "
         + "; ".join(f"{k} {1e3 * v[0]:.2f}/{1e3 * v[1]:.2f}/{1e3 * v[2]:.2f} ({v[3]})" for k, v in r["calls"].items())
@@ -456,11 +522,18 @@ def print_report(r: dict, a: argparse.Namespace) -> None:
             f"poison prompt {pid}: " + (f"quarantined, copies {q['copies']} ({q['cause']})" if q else "NOT quarantined")
         )
     for uid, kills in r["poison_samples"].items():
+        q = next((v for k, v in r["quarantined_samples"].items() if k.rsplit("@", 1)[0] == uid.rsplit("@", 1)[0]), None)
         print(
-            f"poison sample {uid}: killed the trainer {kills} times, leased again after each restart: "
-            f"NOT YET HANDLED by the ledger (it cannot blame a sample); the harness stopped after "
-            f"{a.poison_sample_kills}"
+            f"poison sample {uid}: killed the trainer {kills} times; "
+            + (f"quarantined, copies {q['copies']} ({q['cause']})" if q else "NOT quarantined")
         )
+    print(
+        "poison-sample searches: "
+        + "; ".join(
+            f"{x['verdict']} {x['uid']} ({x['failures']} failed tests of {x['samples']} samples, bound {x['bound']})"
+            for x in r["searches"]
+        )
+    )
     innocent = {u: e for u, e in r["failed_causes"].items() if u.rsplit("@", 1)[0] not in r["poison_prompts"]}
     print(
         f"failed besides the poison prompts: {len(innocent)} samples; by last error: "
@@ -501,8 +574,22 @@ def print_report(r: dict, a: argparse.Namespace) -> None:
         print(f"[{'PASS' if ok else 'FAIL'}] {text}")
 
 
+def chain_summary(ckpts: list[dict]) -> dict:
+    """The checkpoints' ledger chain: its bases and deltas, their time and the bytes written."""
+    bases, deltas = [c for c in ckpts if c["base"]], [c for c in ckpts if not c["base"]]
+    return {
+        "bases": len(bases),
+        "deltas": len(deltas),
+        "base_s": percentiles([c["s"] for c in bases]),
+        "base_mb_max": max((c["bytes"] for c in bases), default=0) / 1e6,
+        "delta_s": percentiles([c["s"] for c in deltas]),
+        "delta_mb": tuple(x / 1e6 for x in percentiles([c["bytes"] for c in deltas])),
+        "chain_mb_max": max((c["chain_bytes"] for c in ckpts), default=0) / 1e6,
+    }
+
+
 def _cause(error: str) -> str:
-    for word in ("poison prompt", "chaos", "hung", "gone from the store"):
+    for word in ("poison prompt", "poison sample", "chaos", "hung", "gone from the store"):
         if word in error:
             return ("quarantined: " if error.startswith("quarantined") else "") + word
     return error[:60]
@@ -527,10 +614,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--every-fault", action="store_true", help="each drawn kind at least once")
     ap.add_argument("--poison-prompts", type=int, default=2)
     ap.add_argument("--poison-samples", type=int, default=1)
-    ap.add_argument("--poison-sample-kills", type=int, default=3, help="the harness's own bound")
     ap.add_argument("--resubmit-at", type=float, nargs="*", default=[0.5], help="fractions of the run")
     ap.add_argument("--ray", action="store_true", help="the ledger in a Ray actor (ray.init(num_cpus=2))")
     ap.add_argument("--cap-s", type=float, default=600.0, help="wall-clock cap")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="measure costs in wall time or in this process's CPU time (a shared machine; in process only)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the report here")

@@ -333,6 +333,8 @@ class TestingConfig:
     replay_crash_on: list[str] = field(default_factory=list)
     replay_hang_on: list[str] = field(default_factory=list)
     replay_start_hangs: int = ranged(0, NON_NEGATIVE)
+    # a trainer rank dies (os._exit) whenever it trains a sample of these prompt ids (poison samples)
+    trainer_crash_on: list[str] = field(default_factory=list)
 
     def hooks_set(self) -> list[str]:
         """The hooks that differ from doing nothing."""

@@ -10,14 +10,59 @@ the producers, the replay one included, are the inference room's.
 """
 
 from cluster.data.ledger import SampleLedger
+from cluster.data.ledger_checkpoint import (
+    LedgerChain,
+    ledger_problem,
+    load_ledger_state,
+    write_ledger_state,
+    written_digests,
+)
 from cluster.data.ledger_client import LedgerClient
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts, Totals
-from cluster.data.ledger_entry import (FAILED, LEASED, PENDING, STORED, TRAINED, LedgerError, balance,
-                                       quarantined, trained_outside)
+from cluster.data.ledger_entry import (
+    FAILED,
+    LEASED,
+    PENDING,
+    STORED,
+    TRAINED,
+    LedgerError,
+    balance,
+    poison_samples,
+    quarantined,
+    trained_outside,
+)
 from cluster.data.ledger_rows import LeasedSample, ProducedSample, PromptTask
 from cluster.data.prompts import calibration_split, check_eval_sets, load_prompts, repo_path
 from cluster.data.record import ExactlyOnceViolation, TrainingRecord
 
-__all__ = ["FAILED", "GroupCounts", "LedgerClient", "LedgerCounts", "Totals", "LEASED", "PENDING", "STORED", "TRAINED", "ExactlyOnceViolation", "LeasedSample",
-           "LedgerError", "ProducedSample", "PromptTask", "SampleLedger", "TrainingRecord", "balance", "calibration_split", "check_eval_sets", "load_prompts",
-           "quarantined", "repo_path", "trained_outside"]
+__all__ = [
+    "FAILED",
+    "GroupCounts",
+    "LedgerChain",
+    "LedgerClient",
+    "LedgerCounts",
+    "Totals",
+    "LEASED",
+    "PENDING",
+    "STORED",
+    "TRAINED",
+    "ExactlyOnceViolation",
+    "LeasedSample",
+    "LedgerError",
+    "ProducedSample",
+    "PromptTask",
+    "SampleLedger",
+    "TrainingRecord",
+    "balance",
+    "calibration_split",
+    "check_eval_sets",
+    "load_prompts",
+    "ledger_problem",
+    "load_ledger_state",
+    "write_ledger_state",
+    "written_digests",
+    "poison_samples",
+    "quarantined",
+    "repo_path",
+    "trained_outside",
+]

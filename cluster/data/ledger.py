@@ -23,7 +23,9 @@ rank of the one data-parallel world leases from it.
   A rank that gets nothing still takes part in the step with a zero gradient (the trainer
   scales the others' losses so the update is the mean over ranks with data); when no rank
   gets anything the step is not assembled (`None`) and the trainer waits.
-- Commit at checkpoints: `checkpoint_state(step)` is saved *inside* the checkpoint, then
+- Commit at checkpoints: `checkpoint_state(step)` (whole) or `checkpoint_delta(step)` (the rows
+  changed since the last committed checkpoint: `cluster.data.ledger_checkpoint` keeps a
+  checkpoint's ledger as a base and deltas) is saved *inside* the checkpoint, then
   `commit(step)` marks the samples trained and hands back their keys for removal. A crash
   between the two loses nothing: the checkpoint already says trained, and the live ledger is
   reset from it on resume. Where the store cannot hold a checkpoint interval of trained samples
@@ -56,9 +58,10 @@ when a group's producers are paused, its later epochs are leased too, since trai
 what frees the space. Epochs after the first go through the prompts in a seeded shuffled order.
 
 State lookups go through indexes (per-state insertion-ordered uid sets, per-epoch counts, and
-`LedgerIndex`: per-group ordered queues of stored samples, held bytes, leases per step), so
-a call costs what it touches, not the size of the data set (`benchmarks/ledger.py`: 10^4 to
-10^6 prompts × 3 epochs).
+`LedgerIndex`: per-group ordered queues of stored samples, held bytes, leases per step, the
+groups changed since the last look), so a call costs what it touches, not the size of the
+data set nor the number of groups (`benchmarks/ledger.py`: 10^4 to 10^6 prompts × 3 epochs;
+`benchmarks/soak.py`: a step's control path and its checkpoints over a whole run).
 """
 
 from __future__ import annotations
@@ -67,8 +70,22 @@ import random
 import time
 from collections import Counter, defaultdict
 
-from cluster.data.ledger_entry import (FAILED, GENERATING, LEASED, PENDING, QUARANTINE, RESERVED, STATES, STORED,
-                                       TRAINED, UNBOUNDED, Entry, LedgerError, saved_ref, saved_row)
+from cluster.data.ledger_entry import (
+    FAILED,
+    GENERATING,
+    LEASED,
+    PENDING,
+    QUARANTINE,
+    RESERVED,
+    STATES,
+    STORED,
+    TRAINED,
+    UNBOUNDED,
+    Entry,
+    LedgerError,
+    saved_ref,
+    saved_row,
+)
 from cluster.data.ledger_counts import GroupCounts, LedgerCounts
 from cluster.data.ledger_generation import GenerationSide
 from cluster.data.ledger_index import LedgerIndex, rebuilt
@@ -144,6 +161,7 @@ class SampleLedger(GenerationSide, TrainingSide):
             self._reserved_members[PENDING][entry.uid] = self._pending[RESERVED][entry.uid] = None
         self.index = LedgerIndex(self.position)  # (every entry is pending: nothing to index yet)
         self.watermarks = dict(watermarks or {})
+        self.index.held_changed |= set(self.watermarks)  # (each group's pause is first decided at the first call)
         self.max_attempts = max_attempts
         self.sample_bytes_estimate = sample_bytes_estimate
         self.clock = clock
@@ -153,33 +171,52 @@ class SampleLedger(GenerationSide, TrainingSide):
         self.events: list[dict] = []  # recoveries and failures, for the job log and tests
         self.totals = Counter()  # produced/trained samples and tokens since start
         self.group_totals: dict[str, Counter] = defaultdict(Counter)  # the same, per producing group
+        self._group_counts: dict[str, GroupCounts] = {}  # `counts()` per group, kept until the group is touched
+        # What the next checkpoint must save beside what the last one did (`checkpoint_delta`):
+        # uids changed since the state was last offered to a checkpoint (`_dirty`), changed
+        # before it but not yet known to be in a published checkpoint (`_in_flight`: a save that
+        # failed is not committed, so its rows go into the next one too), the step offered, and
+        # whether a committed checkpoint's rows are there to build on (`_chained`: not after a
+        # load or a shortened plan, whose next checkpoint is whole).
+        self._dirty: set[str] = set()
+        self._in_flight: set[str] = set()
+        self._offered: int | None = None
+        self._chained = False
 
     # ---- helpers -----------------------------------------------------------------------
     def _set(self, e: Entry, state: str, **fields) -> None:
-        old = e.state
-        self.index.remove(e)
+        """Every change of an entry's saved fields goes through here (or `_touched`), so that
+        the next checkpoint saves it."""
+        old, uid, epoch, index = e.state, e.uid, e.epoch, self.index
+        if epoch != RESERVED:  # (`_touched`, inline: a step sets hundreds of entries)
+            self._dirty.add(uid)
+        index.remove(e)
         e.state, e.since = state, self.clock()
         for k, v in fields.items():
             setattr(e, k, v)
-        self.index.add(e)
+        index.add(e)
         if state == old:
             return
-        members = self._reserved_members if e.epoch == RESERVED else self._members
-        del members[old][e.uid]
-        members[state][e.uid] = None
-        self._per_epoch[(old, e.epoch)] -= 1
-        self._per_epoch[(state, e.epoch)] += 1
+        members = self._reserved_members if epoch == RESERVED else self._members
+        del members[old][uid]
+        members[state][uid] = None
+        self._per_epoch[(old, epoch)] -= 1
+        self._per_epoch[(state, epoch)] += 1
         if old == PENDING:
             self._pending_remove(e)
-            self._orphans.pop(e.uid, None)
+            self._orphans.pop(uid, None)
         if state == PENDING:
-            self._pending[e.epoch][e.uid] = None
-            if self.reuse and e.epoch > 0 and self._previous_done(e):
-                self._orphans[e.uid] = None
+            self._pending[epoch][uid] = None
+            if self.reuse and epoch > 0 and self._previous_done(e):
+                self._orphans[uid] = None
         if self.reuse and state in (LEASED, TRAINED, FAILED):
             nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
             if nxt is not None and nxt.state == PENDING:  # (a lease hands it the sample right after)
                 self._orphans[nxt.uid] = None
+
+    def _touched(self, e: Entry) -> None:
+        if e.epoch != RESERVED:  # (reserved entries are not saved)
+            self._dirty.add(e.uid)
 
     def _pending_remove(self, e: Entry) -> None:
         """Out of its epoch's pending pool, which is compacted once its holes outnumber what it
@@ -194,8 +231,10 @@ class SampleLedger(GenerationSide, TrainingSide):
     def _in(self, *states: str) -> list[Entry]:
         """Entries in these states, in ledger order (epoch-major). For the states that hold
         what is in flight (few); pending and trained ones have their own indexes."""
-        uids = sorted((u for s in states for members in (self._members, self._reserved_members) for u in members[s]),
-                      key=self.position.__getitem__)
+        uids = sorted(
+            (u for s in states for members in (self._members, self._reserved_members) for u in members[s]),
+            key=self.position.__getitem__,
+        )
         return [self.entries[u] for u in uids]
 
     def _first_epoch_with(self, *states: str) -> int:
@@ -223,13 +262,20 @@ class SampleLedger(GenerationSide, TrainingSide):
         return self.index.held_bytes(group)
 
     def _update_pause(self) -> None:
-        for g in self.groups():
+        """Pause or resume the groups whose held bytes changed since the last call: only they
+        can have crossed a watermark (deciding a group again on the same bytes changes nothing).
+        Every producer request calls this: over every group, it cost groups × replicas a tick."""
+        changed, self.index.held_changed = self.index.held_changed, set()
+        for g in changed:
             high, low = self.watermarks.get(g, UNBOUNDED)
             q = self.queued_bytes(g)
             if not self.paused.get(g) and q >= high:
                 self.paused[g] = True
             elif self.paused.get(g) and q <= low:
                 self.paused[g] = False
+            else:
+                continue
+            self._group_counts.pop(g, None)  # (its counts show the pause)
 
     def current_epoch(self) -> int:
         """The lowest epoch that still has prompts to generate."""
@@ -265,8 +311,11 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._quarantine(e)
 
     def _quarantine(self, failed: Entry) -> None:
-        copies = [c for c in (self.entries.get(f"{failed.prompt_id}@{epoch}") for epoch in range(self.epochs))
-                  if c is not None and c.state == PENDING]
+        copies = [
+            c
+            for c in (self.entries.get(f"{failed.prompt_id}@{epoch}") for epoch in range(self.epochs))
+            if c is not None and c.state == PENDING
+        ]
         for c in copies:
             c.errors.append(f"{QUARANTINE}{failed.uid}: " + (failed.errors[-1] if failed.errors else "failed"))
             self._set(c, FAILED, replica=None, group=None)
@@ -281,7 +330,9 @@ class SampleLedger(GenerationSide, TrainingSide):
     def first_open_epoch(self) -> int:
         """The lowest epoch from which on nothing has begun: no sample of it or of a later epoch
         is being generated, leased, trained or failed (they are pending, or stored ahead)."""
-        begun = [e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))]
+        begun = [
+            e for e in range(self.epochs) if any(self._per_epoch[(s, e)] for s in (GENERATING, LEASED, TRAINED, FAILED))
+        ]
         return begun[-1] + 1 if begun else 0
 
     def shorten(self, epochs: int) -> list[str]:
@@ -289,8 +340,10 @@ class SampleLedger(GenerationSide, TrainingSide):
         the ledger, as if never planned. Only epochs that have not begun can go. Returns the
         keys of their stored samples that no remaining entry holds, for the store to drop."""
         if not 1 <= epochs <= self.epochs or epochs < self.first_open_epoch():
-            raise LedgerError(f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
-                              f"{self.first_open_epoch() - 1} have begun")
+            raise LedgerError(
+                f"cannot shorten the plan from {self.epochs} to {epochs} epochs: epochs up to "
+                f"{self.first_open_epoch() - 1} have begun"
+            )
         dropped = [self.entries[u] for u in self.order if self.entries[u].epoch >= epochs]
         kept_keys = {e.ref.key for e in self._in(STORED, LEASED) if e.epoch < epochs and e.ref}
         keys = sorted({e.ref.key for e in dropped if e.state == STORED and e.ref} - kept_keys)
@@ -305,7 +358,13 @@ class SampleLedger(GenerationSide, TrainingSide):
         self.order = [u for u in self.order if u in self.entries]
         reserved = [u for u, e in self.entries.items() if e.epoch == RESERVED]
         self.position = {u: i for i, u in enumerate([*self.order, *reserved])}
+        changed = self.index.held_changed | self.index.groups() | set(self.watermarks)
         self.index = rebuilt(self.entries.values(), self.position)
+        self.index.held_changed |= changed
+        self._group_counts = {}
+        self._dirty &= self.entries.keys()
+        self._in_flight &= self.entries.keys()
+        self._chained = False  # (a delta cannot drop rows: the next checkpoint is whole)
         self.events.append({"event": "shortened", "from": self.epochs, "to": epochs, "dropped": len(dropped)})
         self.epochs = epochs
         self._update_pause()
@@ -313,25 +372,35 @@ class SampleLedger(GenerationSide, TrainingSide):
 
     # ---- accounting --------------------------------------------------------------------
     def counts(self) -> LedgerCounts:
-        """Job-wide counts, and under `groups` what each group generated and holds."""
-        now = self.clock()
-        leases = [now - self.entries[u].since for u in self._members[LEASED]]
+        """Job-wide counts, and under `groups` what each group generated and holds. A group's
+        counts are built again only once one of its entries changed (`LedgerIndex.touched`):
+        everything they show (its entries per state, bytes, pause, totals) changes only then."""
+        cache = self._group_counts
+        for g in self.index.touched:
+            cache.pop(g, None)
+        self.index.touched = set()
         per_group = {}
         for g in self.groups():
-            per_group[g] = GroupCounts(
-                generating=self.index.count(GENERATING, g),
-                stored=self.index.count(STORED, g),
-                leased=self.index.count(LEASED, g),
-                queued_bytes=self.queued_bytes(g),
-                paused=self.full(g),
-                **dict(self.group_totals.get(g, {})),
-            )
+            gc = cache.get(g)
+            if gc is None:
+                gc = cache[g] = GroupCounts(
+                    generating=self.index.count(GENERATING, g),
+                    stored=self.index.count(STORED, g),
+                    leased=self.index.count(LEASED, g),
+                    queued_bytes=self.queued_bytes(g),
+                    paused=self.full(g),
+                    **dict(self.group_totals.get(g, {})),
+                )
+            per_group[g] = gc
+        # the oldest lease is the first leased: an entry joins its state's members at the end,
+        # when its `since` is the clock's latest (a monotonic clock)
+        oldest = next(iter(self._members[LEASED]), None)
         return LedgerCounts(
             **{s: len(self._members[s]) for s in STATES},
             total=len(self.order),  # (the plan: reserved entries are not in it)
             queued_bytes=self.queued_bytes(),
-            paused=any(self.full(g) for g in self.groups()),
-            oldest_lease_s=max(leases) if leases else 0.0,
+            paused=any(gc.paused for gc in per_group.values()),
+            oldest_lease_s=self.clock() - self.entries[oldest].since if oldest is not None else 0.0,
             epoch=self.current_epoch(),
             epochs=self.epochs,
             to_generate=self.to_generate(),
@@ -353,8 +422,11 @@ class SampleLedger(GenerationSide, TrainingSide):
 
     def outcome(self) -> dict:
         """Uids by final state, for the exactly-once proof (`cluster.data.record`)."""
-        return {"trained": list(self._members[TRAINED]), "failed": {u: self.entries[u].errors for u in self._members[FAILED]},
-                "unfinished": [u for u in self.order if self.entries[u].state not in (TRAINED, FAILED)]}
+        return {
+            "trained": list(self._members[TRAINED]),
+            "failed": {u: self.entries[u].errors for u in self._members[FAILED]},
+            "unfinished": [u for u in self.order if self.entries[u].state not in (TRAINED, FAILED)],
+        }
 
     def state_dict(self) -> dict:
         """The ledger as saved in a checkpoint. Only entries something happened to: a pending
@@ -362,11 +434,20 @@ class SampleLedger(GenerationSide, TrainingSide):
         prompts × 3 epochs most of the plan, early in a job). The rows are built field by
         field (`dataclasses.asdict` deep-copies each value: 23 µs an entry, 70 s at 3·10^6)."""
         return {
-            "epochs": self.epochs, "committed_step": self.committed_step,
-            "master_generation": self.master_generation, "totals": dict(self.totals),
+            **self._saved_header(),
+            "entries": [
+                saved_row(e) for e in map(self.entries.__getitem__, self.order) if e.state != PENDING or e.attempts
+            ],
+        }
+
+    def _saved_header(self) -> dict:
+        """What a saved state holds beside its rows."""
+        return {
+            "epochs": self.epochs,
+            "committed_step": self.committed_step,
+            "master_generation": self.master_generation,
+            "totals": dict(self.totals),
             "group_totals": {g: dict(c) for g, c in self.group_totals.items()},
-            "entries": [saved_row(e) for e in map(self.entries.__getitem__, self.order)
-                        if e.state != PENDING or e.attempts],
         }
 
     def load_state_dict(self, state: dict, master_generation: int | None = None) -> list[str]:
@@ -389,12 +470,33 @@ class SampleLedger(GenerationSide, TrainingSide):
         for uid, e in self.entries.items():
             d = known.get(uid)
             if d and d["state"] in (TRAINED, FAILED):
-                self._set(e, d["state"], trained_at_step=d.get("trained_at_step"), tokens=d.get("tokens", 0),
-                          attempts=max(e.attempts, d.get("attempts", 0)), errors=list(d.get("errors", [])), ref=saved_ref(d),
-                          group=d.get("group"), step=d.get("step"), rank=d.get("rank"), crossed=d.get("crossed", False))
+                self._set(
+                    e,
+                    d["state"],
+                    trained_at_step=d.get("trained_at_step"),
+                    tokens=d.get("tokens", 0),
+                    attempts=max(e.attempts, d.get("attempts", 0)),
+                    errors=list(d.get("errors", [])),
+                    ref=saved_ref(d),
+                    group=d.get("group"),
+                    step=d.get("step"),
+                    rank=d.get("rank"),
+                    crossed=d.get("crossed", False),
+                )
             else:
-                self._set(e, PENDING, ref=None, step=None, rank=None, nbytes=0, replica=None, group=None, crossed=False,
-                          released=False, attempts=max(e.attempts, d.get("attempts", 0) if d else 0))
+                self._set(
+                    e,
+                    PENDING,
+                    ref=None,
+                    step=None,
+                    rank=None,
+                    nbytes=0,
+                    replica=None,
+                    group=None,
+                    crossed=False,
+                    released=False,
+                    attempts=max(e.attempts, d.get("attempts", 0) if d else 0),
+                )
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))
         self.group_totals = defaultdict(Counter, {g: Counter(c) for g, c in state.get("group_totals", {}).items()})
@@ -403,4 +505,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         for uid in list(self._members[FAILED]):  # (a plan with more epochs than the saved one)
             self._quarantine(self.entries[uid])
         self._update_pause()
+        self._group_counts = {}  # (the totals were replaced)
+        # every entry was set again: the next checkpoint is whole, not a delta on one this ledger never saved
+        self._dirty, self._in_flight, self._offered, self._chained = set(), set(), None, False
         return stale

@@ -64,8 +64,13 @@ class LedgerClient:
     def lease_step(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[list[LeasedSample]] | None:
         return self._get(self.handle.lease_step.remote(step, rank_groups, batch_tokens))
 
-    def release_lease(self, step: int, missing: list[str] | dict[str, str], reason: str = "gone from the store",
-                      regenerate: bool = True) -> None:
+    def release_lease(
+        self,
+        step: int,
+        missing: list[str] | dict[str, str],
+        reason: str = "gone from the store",
+        regenerate: bool = True,
+    ) -> None:
         self._get(self.handle.release_lease.remote(step, missing, reason, regenerate))
 
     def release(self, step: int) -> list[str]:
@@ -73,6 +78,9 @@ class LedgerClient:
 
     def checkpoint_state(self, step: int) -> dict:
         return self._get(self.handle.checkpoint_state.remote(step))
+
+    def checkpoint_delta(self, step: int) -> dict | None:
+        return self._get(self.handle.checkpoint_delta.remote(step))
 
     def commit(self, step: int) -> list[str]:
         return self._get(self.handle.commit.remote(step))
@@ -82,6 +90,14 @@ class LedgerClient:
 
     def trainer_restarted(self, committed_step: int) -> int:
         return self._get(self.handle.trainer_restarted.remote(committed_step))
+
+    def lease_only(
+        self, step: int, uids: list[str], rank_groups: list[str], batch_tokens: int
+    ) -> list[list[LeasedSample]] | None:
+        return self._get(self.handle.lease_only.remote(step, uids, rank_groups, batch_tokens))
+
+    def quarantine_sample(self, uid: str, cause: str) -> list[str]:
+        return self._get(self.handle.quarantine_sample.remote(uid, cause))
 
     def load_state_dict(self, state: dict, master_generation: int | None = None) -> list[str]:
         return self._get(self.handle.load_state_dict.remote(state, master_generation))

@@ -11,6 +11,7 @@ from cluster.store import SampleRef
 PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED = "pending", "generating", "stored", "leased", "trained", "failed"
 STATES = (PENDING, GENERATING, STORED, LEASED, TRAINED, FAILED)
 QUARANTINE = "quarantined with "  # the error of a prompt's copies that fail because another copy did
+POISON = "poison sample: "  # the error of a sample the trainer world failed on alone (`cluster.job.poison`)
 UNBOUNDED = (1 << 62, 1 << 61)  # (high, low) watermark bytes of a group nobody configured
 RESERVED = -1  # the epoch of a reserved entry: generated like the others, never trained
 
@@ -35,18 +36,31 @@ class Entry:
     errors: list[str] = field(default_factory=list)
     trained_at_step: int | None = None
 
-    @property
-    def uid(self) -> str:
-        return f"{self.prompt_id}@{self.epoch}"
+    def __post_init__(self) -> None:
+        # the entry's name, computed once (it was a property: 1.4 million f-strings in a short
+        # soak); not a field, so neither saved nor compared
+        self.uid = f"{self.prompt_id}@{self.epoch}"
 
 
 def saved_row(e: Entry) -> dict:
     """What a checkpoint keeps of an entry: every field but the live ones (its replica, when its
     state began, whether it is a suspect: a resumed ledger starts them afresh)."""
-    return {"prompt_id": e.prompt_id, "epoch": e.epoch, "state": e.state, "group": e.group,
-            "ref": e.ref.to_dict() if e.ref is not None else None,
-            "tokens": e.tokens, "nbytes": e.nbytes, "step": e.step, "rank": e.rank, "crossed": e.crossed,
-            "released": e.released, "attempts": e.attempts, "errors": list(e.errors), "trained_at_step": e.trained_at_step}
+    return {
+        "prompt_id": e.prompt_id,
+        "epoch": e.epoch,
+        "state": e.state,
+        "group": e.group,
+        "ref": e.ref.to_dict() if e.ref is not None else None,
+        "tokens": e.tokens,
+        "nbytes": e.nbytes,
+        "step": e.step,
+        "rank": e.rank,
+        "crossed": e.crossed,
+        "released": e.released,
+        "attempts": e.attempts,
+        "errors": list(e.errors),
+        "trained_at_step": e.trained_at_step,
+    }
 
 
 def saved_ref(row: dict) -> SampleRef | None:
@@ -62,8 +76,11 @@ class LedgerError(RuntimeError):
 def trained_outside(state: dict, prompt_ids: set[str], epochs: int) -> list[str]:
     """Sample ids (`prompt@epoch`) a saved ledger state trained that a ledger of these prompts
     and epochs would not hold: what `load_state_dict` would silently drop."""
-    return sorted(f"{d['prompt_id']}@{d['epoch']}" for d in state["entries"]
-                  if d["state"] == TRAINED and (d["prompt_id"] not in prompt_ids or d["epoch"] >= epochs))
+    return sorted(
+        f"{d['prompt_id']}@{d['epoch']}"
+        for d in state["entries"]
+        if d["state"] == TRAINED and (d["prompt_id"] not in prompt_ids or d["epoch"] >= epochs)
+    )
 
 
 def quarantined(failed: dict[str, list[str]]) -> dict[str, dict]:
@@ -72,10 +89,23 @@ def quarantined(failed: dict[str, list[str]]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for uid, errors in sorted(failed.items()):
         if errors and errors[-1].startswith(QUARANTINE):
-            decided, _, cause = errors[-1][len(QUARANTINE):].partition(": ")
+            decided, _, cause = errors[-1][len(QUARANTINE) :].partition(": ")
             out[uid.rsplit("@", 1)[0]] = {"failed": decided, "cause": cause}
     for pid, entry in out.items():
         entry["copies"] = sorted(u for u in failed if u.rsplit("@", 1)[0] == pid)
+    return out
+
+
+def poison_samples(failed: dict[str, list[str]]) -> dict[str, dict]:
+    """Samples the trainer world failed on alone (`SampleLedger.quarantine_sample`): uid -> its
+    prompt, the cause (the step and the rank's error) and every copy of its prompt that failed
+    with it (its other epochs, quarantined)."""
+    out: dict[str, dict] = {}
+    for uid, errors in sorted(failed.items()):
+        if errors and errors[-1].startswith(POISON):
+            pid = uid.rsplit("@", 1)[0]
+            copies = sorted(u for u in failed if u.rsplit("@", 1)[0] == pid)
+            out[uid] = {"prompt_id": pid, "cause": errors[-1][len(POISON) :], "copies": copies}
     return out
 
 

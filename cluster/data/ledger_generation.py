@@ -110,10 +110,19 @@ class GenerationSide:
 
     def hung_replicas(self, timeout_s: float) -> dict[str, float]:
         """Replicas with a prompt generating for longer than `timeout_s`: replica -> seconds."""
-        now, out = self.clock(), {}
-        for e in self._in(GENERATING):
-            if now - e.since > timeout_s:
-                out[e.replica] = max(out.get(e.replica, 0.0), now - e.since)
+        now, hung = self.clock(), []
+        # An entry joins GENERATING's members at the end, when its `since` is the (monotonic)
+        # clock's latest: the members run oldest first, and the hung ones are a prefix. (The
+        # supervisor asks every tick; sorting every prompt in generation cost 1-2 ms a call.)
+        for members in (self._members, self._reserved_members):
+            for uid in members[GENERATING]:
+                e = self.entries[uid]
+                if now - e.since <= timeout_s:
+                    break
+                hung.append(e)
+        out = {}
+        for e in sorted(hung, key=lambda x: self.position[x.uid]):
+            out[e.replica] = max(out.get(e.replica, 0.0), now - e.since)
         return out
 
     def master_restarted(self, generation: int) -> int:

@@ -12,7 +12,10 @@ changes an entry and `add(e)` after) and keeps:
   a step's assembly takes the head of each group's queue, the deepest queue lends first;
 - per group, the store bytes held by untrained samples (`HeldBytes`), a reused sample counted
   once however many entries share its key (its lease and its next epoch's entry);
-- per step, its leased entries.
+- per step, its leased entries;
+- the groups whose held bytes changed since the ledger last looked (`held_changed`: only they
+  can cross a watermark) and those any of whose entries changed (`touched`: only their counts
+  can differ from the last `counts()`).
 
 Every structure is derived: `rebuilt(entries)` computes the same from scratch, which the
 ledger does after a rare bulk change (a shortened plan) and the tests compare against.
@@ -26,7 +29,7 @@ from collections import Counter, defaultdict
 
 from cluster.data.ledger_entry import GENERATING, LEASED, RESERVED, STORED, Entry
 
-LIVE = (GENERATING, STORED, LEASED)  # the states that place an entry in a group
+LIVE = frozenset((GENERATING, STORED, LEASED))  # the states that place an entry in a group
 
 
 class StoredQueue:
@@ -99,50 +102,59 @@ class HeldBytes:
             self.total -= held[1]
 
 
-def _held_key(e: Entry) -> str | None:
-    """The store key whose bytes `e` holds (None: it holds none)."""
-    if e.state in (STORED, LEASED) and not e.released:
-        return e.ref.key if e.ref is not None else e.uid
-    return None
-
-
 class LedgerIndex:
     def __init__(self, position: dict[str, int]) -> None:
         self.position = position  # the ledger's own uid -> order map (shared, not copied)
         self.live: Counter = Counter()  # (state, group) -> entries
         self.queues: dict[str, StoredQueue] = defaultdict(StoredQueue)
-        self.stored_bytes: Counter = Counter()  # (group, epoch) -> bytes of its stored samples
+        # group -> epoch -> bytes of its stored samples: a group's ready bytes sum its few epochs,
+        # not every (group, epoch) of the job (that made a step's assembly cost groups²)
+        self.stored_bytes: dict[str, Counter] = defaultdict(Counter)
         self.held: dict[str, HeldBytes] = defaultdict(HeldBytes)
         self.by_step: dict[int | None, dict[str, None]] = {}  # step -> its leased uids
+        self.held_changed: set[str] = set()
+        self.touched: set[str] = set()
 
+    # (`add` and `remove` run twice per entry a step leases: each looks its fields up once)
     def add(self, e: Entry) -> None:
-        if e.state not in LIVE:
+        state = e.state
+        if state not in LIVE:
             return
-        self.live[(e.state, e.group)] += 1
-        if e.state == STORED and e.epoch != RESERVED:  # (reserved: never leased)
-            self.queues[e.group].add(e.uid, self.position[e.uid])
-            self.stored_bytes[(e.group, e.epoch)] += e.nbytes
-        elif e.state == LEASED:
-            self.by_step.setdefault(e.step, {})[e.uid] = None
-        key = _held_key(e)
-        if key is not None:
-            self.held[e.group].add(key, e.nbytes)
+        group, uid = e.group, e.uid
+        self.live[(state, group)] += 1
+        self.touched.add(group)
+        if state == STORED:
+            if e.epoch != RESERVED:  # (reserved: never leased)
+                self.queues[group].add(uid, self.position[uid])
+                self.stored_bytes[group][e.epoch] += e.nbytes
+        elif state == LEASED:
+            uids = self.by_step.get(e.step)
+            if uids is None:
+                uids = self.by_step[e.step] = {}
+            uids[uid] = None
+        if state != GENERATING and not e.released:  # it holds its ref's key's bytes (stored or leased, not released)
+            self.held[group].add(e.ref.key if e.ref is not None else uid, e.nbytes)
+            self.held_changed.add(group)
 
     def remove(self, e: Entry) -> None:
-        if e.state not in LIVE:
+        state = e.state
+        if state not in LIVE:
             return
-        self.live[(e.state, e.group)] -= 1
-        if e.state == STORED and e.epoch != RESERVED:
-            self.queues[e.group].discard(e.uid)
-            self.stored_bytes[(e.group, e.epoch)] -= e.nbytes
-        elif e.state == LEASED:
+        group, uid = e.group, e.uid
+        self.live[(state, group)] -= 1
+        self.touched.add(group)
+        if state == STORED:
+            if e.epoch != RESERVED:
+                self.queues[group].discard(uid)
+                self.stored_bytes[group][e.epoch] -= e.nbytes
+        elif state == LEASED:
             uids = self.by_step[e.step]
-            del uids[e.uid]
+            del uids[uid]
             if not uids:
                 del self.by_step[e.step]
-        key = _held_key(e)
-        if key is not None:
-            self.held[e.group].remove(key)
+        if state != GENERATING and not e.released:
+            self.held[group].remove(e.ref.key if e.ref is not None else uid)
+            self.held_changed.add(group)
 
     # ---- reading -----------------------------------------------------------------------
     def groups(self) -> set[str]:
@@ -159,8 +171,10 @@ class LedgerIndex:
 
     def ready_bytes(self, group: str, max_epoch: int | None) -> int:
         """Bytes of the group's stored samples of epochs up to `max_epoch` (None: all)."""
-        return sum(n for (g, epoch), n in self.stored_bytes.items()
-                   if g == group and (max_epoch is None or epoch <= max_epoch))
+        per_epoch = self.stored_bytes.get(group)
+        if not per_epoch:
+            return 0
+        return sum(n for epoch, n in per_epoch.items() if max_epoch is None or epoch <= max_epoch)
 
     def leased_at(self, step: int) -> list[str]:
         """The uids leased for `step`, in ledger order."""
@@ -171,7 +185,7 @@ class LedgerIndex:
         return {
             "live": {k: n for k, n in self.live.items() if n},
             "stored": {g: q.uids() for g, q in self.queues.items() if len(q)},
-            "stored_bytes": {k: n for k, n in self.stored_bytes.items() if n},
+            "stored_bytes": {(g, epoch): n for g, c in self.stored_bytes.items() for epoch, n in c.items() if n},
             "held": {g: h.total for g, h in self.held.items() if h.total},
             "by_step": {s: sorted(u) for s, u in self.by_step.items()},
         }

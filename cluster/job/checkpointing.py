@@ -1,13 +1,15 @@
 """`Committer`: the job's commit point. It holds what was trained since the last checkpoint
 (the lease rows); a commit is a collective checkpoint with which the training record and the
-ledger commit, after which the committed samples leave the store."""
+ledger commit, after which the committed samples leave the store. The ledger's state goes into
+each checkpoint as a link of a chain (a base, or the rows changed since the checkpoint before:
+`cluster.data.ledger_checkpoint`), which the committer keeps from one commit to the next."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from cluster.data import LedgerClient, TrainingRecord
+from cluster.data import LedgerChain, LedgerClient, TrainingRecord
 from cluster.training import CheckpointDir, TrainerFailure, TrainerGang
 
 log = logging.getLogger("dspark.job")
@@ -19,6 +21,7 @@ class Committer:
     ) -> None:
         self.gang, self.ledger, self.record, self.checkpoints = gang, ledger, record, checkpoints
         self.uncommitted: list = []  # lease rows trained since the last commit
+        self.chain = LedgerChain()  # (the first checkpoint of this job writes a base)
 
     def add(self, rows: list) -> None:
         self.uncommitted += rows
@@ -34,12 +37,15 @@ class Committer:
         if not self.gang.parameters_finite():
             raise TrainerFailure(f"non-finite weights at step {step}: not saved")
         tmp, dest = self.checkpoints.paths(step)
-        state = self.ledger.checkpoint_state(step)
+        state = None if self.chain.wants_base() else self.ledger.checkpoint_delta(step)
+        delta = state is not None  # (None: the ledger has no committed checkpoint to build on)
+        state = self.chain.link(state if delta else self.ledger.checkpoint_state(step), delta)
         rows = self.record.commit(step)  # before the rename: a crash in between rolls these rows back
         self.gang.save_checkpoint(
             tmp, dest, step, state, {"step": step, "record_rows": rows, "lr_horizon": self.gang.settings.total_steps}
         )
-        keys = self.ledger.commit(step)
+        self.chain.published(dest)
+        keys = self.ledger.commit(step)  # (after the save: the state is in the checkpoint before it says trained)
         # with what was trained, the objects of attempts given up on (a replica that died mid-put)
         self.gang.remove_keys(keys, self.ledger.abandoned_keys())
         self.uncommitted = []

@@ -5,7 +5,9 @@ A step is leased from the ledger, read by every rank from the store, trained, re
 to the `TrainerWorld`. The progress reporter and the autoscaler reach the loop only through the
 `ControlChannel` (`handle_requests`). The loop owns the step count (`TrainingStats`, which the
 reporter and the autoscaler read) and its waits: when the data last arrived, the run of
-non-finite steps, the epochs the LR horizon was planned for.
+non-finite steps, the epochs the LR horizon was planned for. A world that fails while its ranks
+hold a step's samples starts the search for a poison sample among them (`PoisonSearch`, whose
+module says how): the steps after the restart hold only its suspects until it ends.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cluster.control import ControlChannel
 from cluster.data import LedgerClient, TrainingRecord
 from cluster.job.checkpointing import Committer
 from cluster.job.events import EventLog
+from cluster.job.poison import BROKEN_WORLD, POISON, PoisonSearch, Verdict, lease_test
 from cluster.job.progress import ProgressReporter, TrainingStats
 from cluster.job.recovery import TrainerWorld
 from cluster.job.supervision import Supervisor
@@ -51,6 +54,8 @@ class TrainingLoop:
         self.horizon_epochs: int | None = None
         self.produced_seen, self.produced_at = 0, time.monotonic()  # for the stalled-store commit
         self.waiting_since: float | None = None  # the first of the current run of steps without data
+        self.search = PoisonSearch()
+        self.in_flight: tuple[int, list[str]] | None = None  # the step (and its samples) the ranks hold now
 
     def run(self, begun: bool = False) -> str:
         """One global step per iteration, until the data is trained (or max_steps, or a stop);
@@ -78,14 +83,46 @@ class TrainingLoop:
                 self.restart(e)
 
     def restart(self, cause: Exception) -> None:
-        self.stats.step = self.world.restart(cause)
+        """A new world from the last checkpoint. A failure while the ranks held a step's samples
+        starts the poison-sample search, or is one of its tests: those restarts the search
+        bounds itself, outside the trainer's restart budget."""
+        failed, self.in_flight = self.in_flight, None
+        budgeted = True
+        if failed is not None and self.search.active():
+            budgeted = False
+            self.events.add(f"step {failed[0]}: the world failed again, on {len(failed[1])} samples of the search")
+            self.conclude(self.search.failed(*failed, str(cause)))
+        elif failed is not None:
+            self.events.add(self.search.start(*failed, str(cause)), logging.WARNING)
+        self.stats.step = self.world.restart(cause, budgeted=budgeted)
+
+    def conclude(self, verdict: Verdict | None) -> None:
+        """The search's verdict, if it ended: a poison sample is quarantined (in every epoch); a
+        world that fails whatever its samples ends the job."""
+        if verdict is None:
+            return
+        if verdict.kind == BROKEN_WORLD:
+            raise RuntimeError(verdict.message)
+        if verdict.kind == POISON:
+            self.ledger.quarantine_sample(verdict.uid, verdict.cause)
+        self.events.add(verdict.message, logging.WARNING if verdict.kind == POISON else logging.INFO)
+
+    def lease(self, step: int):
+        """The next step's samples: while a poison-sample search is on, only its next test's."""
+        ledger, groups, tokens = self.ledger, self.gang.rank_groups, self.t.batch_tokens
+        if self.search.active():
+            lease, verdict = lease_test(self.search, ledger, step, groups, tokens)
+            if lease is not None:
+                return lease
+            self.conclude(verdict)
+        return ledger.lease_step(step, groups, tokens)
 
     def global_step(self) -> str:
         """Assemble, read and train step `step + 1`: "stepped", "waited" (no data, or data that
         cannot be trained: given back), "skipped" (a non-finite loss) or "drained"."""
         t, s, ledger, gang = self.t, self.stats, self.ledger, self.gang
         t0 = time.perf_counter()
-        lease = ledger.lease_step(s.step + 1, gang.rank_groups, t.batch_tokens)
+        lease = self.lease(s.step + 1)
         if lease is None:
             if ledger.drained():
                 return "drained"
@@ -93,8 +130,11 @@ class TrainingLoop:
             s.data_wait_s += time.perf_counter() - t0
             return "waited"
         self.waiting_since = None
+        uids = [row.uid for rows in lease for row in rows]
+        self.in_flight = (s.step + 1, uids)  # (what a failure of the world from here to the update is blamed on)
         bad = gang.fetch(s.step + 1, lease)
         if bad:  # gone from the store (a daemon or the master died) or unusable: regenerate them
+            self.in_flight = None
             ledger.release_lease(s.step + 1, bad)
             self.events.add(
                 f"step {s.step + 1}: {len(bad)} samples could not be read, e.g. "
@@ -107,6 +147,7 @@ class TrainingLoop:
             gang.set_threads(t.torch_threads if generating else t.torch_threads_when_idle)
         t1 = time.perf_counter()
         per_rank = gang.train_step(s.step + 1, lease)
+        self.in_flight = None
         s.train_s += time.perf_counter() - t1
         if per_rank[0].skipped:
             self.nonfinite_step(s.step + 1, per_rank)
@@ -115,6 +156,9 @@ class TrainingLoop:
         s.step, s.last = s.step + 1, next((m for m in per_rank if m.loss is not None), per_rank[0])
         for m, group in zip(per_rank, gang.rank_groups):
             self.record.add(s.step, m.rank, group, m.trained)
+        if self.search.active():
+            self.events.add(f"step {s.step}: {len(uids)} samples of the search trained")
+            self.conclude(self.search.passed(s.step, uids))
         rows = [row for rank_rows in lease for row in rank_rows]
         if t.release_samples == "after_step":
             self.release_before(s.step)

@@ -10,7 +10,6 @@ checkpoint boundary.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from cluster.config import ConfigError, JobConfig
 from cluster.control import ResizeTrainer
-from cluster.data import LedgerClient, TrainingRecord, trained_outside
+from cluster.data import LedgerClient, TrainingRecord, load_ledger_state, trained_outside
 from cluster.job.checkpointing import Committer
 from cluster.job.events import EventLog
 from cluster.job.supervision import Supervisor
@@ -46,7 +45,7 @@ def check_resume_plan(
         raise ConfigError(f"config error at `trainer.resume`: always, but no whole checkpoint under {checkpoints.root}")
     if ckpt is None:
         return None
-    outside = trained_outside(json.loads((ckpt / "ledger.json").read_text()), train_ids, cfg.data.epochs)
+    outside = trained_outside(load_ledger_state(ckpt), train_ids, cfg.data.epochs)
     if not outside:
         return ckpt
     heldout = heldout_ids & {u.rsplit("@", 1)[0] for u in outside}
@@ -77,7 +76,7 @@ def restore_data_state(
             events.add(f"fresh start: earlier checkpoints moved to {moved}")
         record.reset()
         return None
-    stale = ledger.load_state_dict(json.loads((resume / "ledger.json").read_text()), master_generation)
+    stale = ledger.load_state_dict(load_ledger_state(resume), master_generation)
     gang.remove_keys(stale)
     record.rollback_to(checkpoints.meta(resume)["record_rows"])
     events.add(f"resumed from {resume}")
@@ -140,17 +139,20 @@ class TrainerWorld:
         resized = self.checkpoints.meta(self.resume_from)["world_size"] != self.gang.size
         return self.gang.setup(model_init, self.resume_from, resized)
 
-    def restart(self, cause: Exception) -> int:
+    def restart(self, cause: Exception, budgeted: bool = True) -> int:
         """The world failed (a rank died, hung or raised): a new world from the last checkpoint;
         the step it starts from. The ledger gives back what was leased after it (re-read, or
         regenerated if released), the training record drops the rows it did not commit. A
-        restart that fails itself counts as the next one."""
+        restart that fails itself counts as the next one. `budgeted=False`: a restart the
+        poison-sample search bounds itself (`cluster.job.poison`) takes nothing of the budget
+        (its own failed tries do)."""
         from cluster.scaling import place_all, trainer_specs
 
         layout = self.gang.layout()
         while True:
             self.stop_check("a trainer restart")
-            if not self.restarts.spend():
+            spend, budgeted = budgeted, True
+            if spend and not self.restarts.spend():
                 raise RuntimeError(
                     f"the trainer world failed {self.restarts.recent() + 1} times within "
                     f"{self.restarts.window_s:g} s (trainer.max_restarts={self.restarts.limit} per "
@@ -235,6 +237,7 @@ class TrainerWorld:
             return False
 
         timeout = self.cfg.inference.first_samples_timeout_s
+        log.info("waiting for the first %d stored answers (the draft vocabulary is counted on them)", want)
 
         def timed_out():
             ledger = {

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.config import JobConfig
-from cluster.data import quarantined
+from cluster.data import poison_samples, quarantined
 from cluster.hardware import read_cpu
 from cluster.job.history import read_history
 from cluster.job.inputs import JobInputs
@@ -201,6 +201,8 @@ def finish(
         results["failed_examples"] = {u: outcome["failed"][u] for u in failed[:20]}
         log.warning("%d prompt x epochs failed, e.g. %s: %s", len(failed), failed[0], errors[-1] if errors else "?")
     results["quarantined"] = quarantined(outcome["failed"])
+    # samples the trainer world failed on alone (cluster.job.poison), their prompts quarantined
+    results["poison_samples"] = poison_samples(outcome["failed"])
     measured = evaluator.evaluate(str(final))
     results["evaluation"], results["evaluation_sets"] = measured.heldout, measured.sets
     # τ sampled with the served recipe, and by context length; `evaluation_skipped`: what was not measured, why

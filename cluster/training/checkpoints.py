@@ -2,8 +2,9 @@
 temporary sibling and renamed into place whole (a crash leaves the previous one intact).
 
 Each holds the DeepSpeed shards of every rank (`trainer/`), the drafter in the speculators
-format (`drafter/`), the ledger as it is once that step is committed (`ledger.json`) and
-`meta.json` (step, world layout, how many lines of the training record it committed).
+format (`drafter/`), the ledger as it is once that step is committed (its chain of a base and
+deltas, `cluster.data.ledger_checkpoint`; `ledger.json` in older checkpoints) and `meta.json`
+(step, world layout, how many lines of the training record it committed, each file's digest).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import time
 import zipfile
 from pathlib import Path
+
+from cluster.data import ledger_problem, written_digests
 
 log = logging.getLogger("dspark.checkpoints")
 KEEP = 2  # the newest two: a crash while writing the next one still leaves one intact, so does a corrupt one
@@ -53,10 +56,12 @@ class CheckpointDir:
         corruption)."""
         try:
             meta = json.loads((path / "meta.json").read_text())
-            json.loads((path / "ledger.json").read_text())
             json.loads((path / "drafter" / "config.json").read_text())
         except (OSError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
+        ledger = ledger_problem(path)  # (a chain's files are not parsed here: rotation asks at every commit)
+        if ledger is not None:
+            return ledger
         for part in ("drafter/model.safetensors", "trainer/latest"):
             if not (path / part).is_file() or not (path / part).stat().st_size:
                 return f"{part} missing or empty"
@@ -108,11 +113,15 @@ def digest(path: Path) -> str:
 
 def file_digests(root: Path) -> dict[str, dict]:
     """Every file of a checkpoint being written, by path relative to it, with its size and
-    SHA-256 (but `meta.json`, which lists them)."""
+    SHA-256 (but `meta.json`, which lists them). The ledger chain's files come with the digests
+    they were written with (`written_digests`): most are links to the previous checkpoint's,
+    and hashing them again would cost the whole ledger at every checkpoint."""
+    known = written_digests(root)
+    files = [f for f in sorted(root.rglob("*")) if f.is_file() and f != root / "meta.json"]
     return {
-        str(f.relative_to(root)): {"bytes": f.stat().st_size, "sha256": digest(f)}
-        for f in sorted(root.rglob("*"))
-        if f.is_file() and f != root / "meta.json"
+        str(f.relative_to(root)): known.get(str(f.relative_to(root)))
+        or {"bytes": f.stat().st_size, "sha256": digest(f)}
+        for f in files
     }
 
 

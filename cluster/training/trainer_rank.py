@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cluster.data import write_ledger_state
 from cluster.training.checkpoints import file_digests, make_universal, publish
 from cluster.training.rank_setup import (
     TrainerSettings,
@@ -307,6 +308,14 @@ class TrainerRank:
 
         if self.fetched_step != step:
             raise RuntimeError(f"rank {self.rank}: train_step({step}) without fetch({step})")
+        poison = [row.uid for row in self.batch_rows if row.prompt_id in self.s.testing.trainer_crash_on]
+        if poison:  # fault injection (tests): a sample that kills the rank training it, every time
+            print(
+                f"[dspark] rank {self.rank}: dying on {poison[0]} (testing.trainer_crash_on)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
         t0 = time.perf_counter()
 
         def share_counts(local: torch.Tensor) -> torch.Tensor:  # collective: once per step on every rank
@@ -438,7 +447,7 @@ class TrainerRank:
 
         tmp, dest = Path(tmp_dir), Path(dest)
         save_drafter(self.full_drafter(), tmp / "drafter")
-        (tmp / "ledger.json").write_text(json.dumps(ledger_state))
+        write_ledger_state(tmp, ledger_state)  # (a base or a delta and the chain's earlier files)
         meta = {**meta, "files": file_digests(tmp)}  # what `CheckpointDir.problem` checks a resume against
         (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
         publish(tmp, dest)

@@ -411,6 +411,29 @@ def test_fault_poison_prompt(ray_cluster, smol_target, replay_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fault_poison_sample_quarantined_and_still_after_a_resubmission(ray_cluster, smol_target, replay_dir, tmp_path):
+    # dspark-0030's sample kills the trainer rank that trains it, every time: its step's samples
+    # are retried in halves until it fails alone (restarts outside the budget of 3), then it is
+    # quarantined in both epochs. Submitted again with a third epoch, the job resumes from the
+    # final checkpoint and trains it without the sample: the world never dies again.
+    crash = ["testing.trainer_crash_on=[dspark-0030]", "data.max_failed_fraction=0.05"]
+    _, result, _, events = run_one(tmp_path, replay_dir, "poison-sample", crash, [])
+    copies = ["dspark-0030@0", "dspark-0030@1"]
+    restarts = [e for e in events if e.startswith("trainer world restarted")]
+    assert 2 <= len(restarts) <= 5 and any("retried in halves" in e for e in events), events
+    found = result["poison_samples"]["dspark-0030@0"]
+    assert found["copies"] == copies and "failed on it alone at step" in found["cause"], found
+    assert "a trainer rank died during step" in found["cause"], found
+    assert result["quarantined"]["dspark-0030"]["failed"] == "dspark-0030@0"
+    assert_exactly_once(result, failed=copies)
+    _, again, _, events = run_one(tmp_path, replay_dir, "poison-sample", [*crash, "data.epochs=3"], [])
+    assert any(e.startswith("resumed from") for e in events), events
+    assert not any(e.startswith("trainer world restarted") for e in events), events
+    assert again["poison_samples"]["dspark-0030@0"]["copies"] == [*copies, "dspark-0030@2"]
+    assert_exactly_once(again, failed=[*copies, "dspark-0030@2"], epochs=3)
+
+
+@pytest.mark.slow
 def test_fault_poison_prompts_past_the_failure_budget_fail_the_job(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import JobFailed
 

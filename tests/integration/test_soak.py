@@ -76,7 +76,7 @@ def test_poison_prompts_quarantined_with_all_their_epochs(report):
         assert "poison prompt" in q["cause"], q
     # every other failure names an injected fault as its cause (a prompt in generation at a stop, or
     # stored at a master restart, spends an attempt: a few faults on one prompt give up on it)
-    causes = ("poison prompt", "killed by the chaos schedule", "hung:", "gone from the store")
+    causes = ("poison prompt", "poison sample", "killed by the chaos schedule", "hung:", "gone from the store")
     for uid, error in report["failed_causes"].items():
         assert any(c in error for c in causes), (uid, error)
 
@@ -96,11 +96,17 @@ def test_restarts_by_cause_equal_the_injected_faults(report):
     # ledger saw exactly the replica deaths the harness caused
     assert 1 <= restarts["replica: poison_prompt"] <= 3 * len(report["poison_prompts"])
     assert events["replica_died"] == sum(v for k, v in restarts.items() if k.startswith("replica: "))
-    # the poison samples: the ledger leases them again after each restart (not yet handled); the
-    # harness bounds its own retries, and the trainer restarts add up
+    # the poison samples: each kills the trainer, then only in the tests of the search that finds it
+    # (`cluster.job.poison`: at most log2 of its step's samples), and is quarantined in every epoch
     kills = report["poison_samples"]
     assert len(kills) == injected["poison_sample"] == 2
-    assert all(1 <= k <= 3 for k in kills.values()), kills
+    for uid in kills:
+        q = report["quarantined_samples"][uid]
+        assert q["copies"] == [f"{q['prompt_id']}@{e}" for e in range(EPOCHS)], q
+        assert "failed on it alone" in q["cause"], q
+    searches = report["searches"]
+    assert sorted(x["uid"] for x in searches if x["verdict"] == "poison") == sorted(kills), searches
+    assert all(x["failures"] <= x["bound"] for x in searches), searches
     assert restarts.get("trainer: poison_sample", 0) == sum(kills.values())
     assert events["trainer_restarted"] == restarts.get("trainer: rank_death", 0) + sum(kills.values())
     # a full store paused the group it was injected into

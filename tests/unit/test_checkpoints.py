@@ -130,3 +130,56 @@ def test_stray_folders_are_not_checkpoints_and_unfinished_saves_are_cleaned(tmp_
     assert [p.name for p in ckpts.steps()] == ["step-000040"] and ckpts.latest().name == "step-000040"
     ckpts.rotate()
     assert not tmp.exists() and (ckpts.root / "step-foo").is_dir() and (ckpts.root / "step-000040").is_dir()
+
+
+def test_a_damaged_ledger_delta_falls_back_and_the_chain_survives_rotation(tmp_path):
+    """The ledger as a chain (a base at step 40, deltas at 80 and 120 linked to it): each file's
+    digest is the one it was written with, so a delta changed in place (same size) or cut short
+    makes its checkpoint unusable and the resume takes the one before, as a damaged ledger.json
+    did; rotation deletes the step that wrote the base, the later ones still load it."""
+    from cluster.data import ProducedSample, SampleLedger
+    from cluster.data.ledger_checkpoint import LedgerChain, chain_files, load_ledger_state, write_ledger_state
+    from cluster.store import SampleRef
+    from cluster.training.checkpoints import file_digests
+
+    ckpts, chain = CheckpointDir(tmp_path / "checkpoints"), LedgerChain()
+    ledger = SampleLedger([{"id": f"p{i}", "messages": []} for i in range(50)])
+
+    def checkpoint(step: int):
+        handed = ledger.request_prompts("r0", 10, "g0")
+        ledger.report_produced("r0", [ProducedSample(p.uid, SampleRef(p.key, 5, (0,), 4, "float32")) for p in handed])
+        ledger.lease_step(step, ["g0"], 20)
+        state = None if chain.wants_base() else ledger.checkpoint_delta(step)
+        state = chain.link(state if state is not None else ledger.checkpoint_state(step), state is not None)
+        tmp, dest = ckpts.paths(step)
+        write(tmp.parent, step)  # (the drafter and trainer parts, as `write` makes them)...
+        (tmp.parent / f"step-{step:06d}").rename(tmp)
+        (tmp / "ledger.json").unlink()  # ...but the ledger as the chain
+        write_ledger_state(tmp, state)
+        meta = json.loads((tmp / "meta.json").read_text())
+        (tmp / "meta.json").write_text(json.dumps({**meta, "files": file_digests(tmp)}))
+        tmp.rename(dest)
+        chain.published(dest)
+        ledger.commit(step)
+        ckpts.rotate()
+        return dest
+
+    first = checkpoint(40)
+    base = chain_files(first)[0]["name"]
+    second = checkpoint(80)
+    assert [f["name"] for f in chain_files(second)][0] == base and len(chain_files(second)) == 2
+    assert CheckpointDir.meta(second)["files"][base] == CheckpointDir.meta(first)["files"][base]
+    third = checkpoint(120)
+    assert [p.name for p in ckpts.steps()] == ["step-000080", "step-000120"]  # the base's step rotated away
+    assert ckpts.latest() == third and load_ledger_state(third)["committed_step"] == 120
+    assert {d["state"] for d in load_ledger_state(third)["entries"]} == {"trained", "stored"}
+    delta = third / chain_files(third)[-1]["name"]
+    original = delta.read_bytes()
+    delta.write_bytes(original.replace(b'"stored"', b'"storeD"', 1))  # same size, other contents
+    assert CheckpointDir.problem(third) is None  # (sizes only: what rotation checks)
+    assert "differs from what was written" in CheckpointDir.problem(third, contents=True)
+    assert ckpts.latest() == second and load_ledger_state(second)["committed_step"] == 80
+    delta.write_bytes(original[:-10])
+    assert "has" in CheckpointDir.problem(third) and ckpts.latest() == second
+    delta.unlink()
+    assert CheckpointDir.problem(third).endswith("missing") and ckpts.latest() == second
