@@ -21,6 +21,7 @@ bandwidth and store memory per group, the drafter's parameters), then releases e
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -165,7 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     # A Ray of its own, or a head on loopback: every listener stays there. Before `import ray`:
     # Ray reads its one-machine switch when it is imported.
     keep_ray_on_loopback(head)
+    # Ray's core worker installs its C++ crash handler (absl's) on SIGTERM too when `ray.init`
+    # connects: it overrides the stop handler below, prints a stack and ends the driver, so
+    # `ray job stop` left no checkpoint and no result.json (tests/integration/test_job_stop.py).
+    # Ray's switch, read once at `import ray`, keeps it out of this process; taken out of the
+    # environment again so that the processes of a Ray the driver starts keep theirs. Python's
+    # faulthandler still prints every thread's stack on a real crash (SIGSEGV, SIGABRT, ...).
+    no_crash_handler = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" not in os.environ
+    if no_crash_handler:
+        os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
+    faulthandler.enable()
     import ray
+
+    if no_crash_handler:
+        del os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"]
 
     from cluster.box import plan_box
     from cluster.control import ControlChannel, JobStopped, Stop
@@ -181,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
         control.send(Stop(f"{signal.Signals(signum).name} received"))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
+    def answer_stops() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
+
+    answer_stops()
     warn_short_stop_wait()
     if os.environ.get(JOB_ARGS_ENV):  # `ray job list` shows only the entrypoint
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
@@ -201,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     except JobStopped as e:
         print(summary(job.stopped(str(e), e.phase), cfg), flush=True)
         os._exit(0)
+    if control.stop_sent is None:  # the handlers are ours again, whatever `ray.init` installed
+        answer_stops()
     try:
         result = job.run()
     except ConfigError as e:  # found in the preparation, against the target: nothing was started

@@ -1,8 +1,8 @@
 """The autoscaler on a real local run with the replay backend (no target model): throttled
 producers starve the trainer → a replica is added; a throttled trainer lets the queue grow →
 a replica is removed; a throttled trainer that may grow gets a rank at a checkpoint; every prompt
-is trained exactly once throughout. The default run keeps the first (the test suite's time
-budget); the other two are `slow`."""
+is trained exactly once throughout. All three are `slow` (the test suite's time budget: its
+default run keeps one whole job, tests/integration/test_job.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def run(tmp_path, replay_dir, name, overrides):
     return result, result["autoscaler"]
 
 
+@pytest.mark.slow  # the suite's 15 minutes: the default run keeps one whole job (test_job.py)
 def test_starving_trainer_gets_a_replica(ray_cluster, smol_target, replay_dir, tmp_path):
     # Enough prompts that the starving phase outlasts the trainer's start-up, during which the
     # first ~48 samples pile up to the high watermark.

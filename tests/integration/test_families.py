@@ -219,6 +219,7 @@ def test_family_qwen3_moe(ray_cluster, smol_target, tmp_path, monkeypatch):
     check_family("qwen3_moe", ray_cluster, smol_target, tmp_path, monkeypatch)
 
 
+@pytest.mark.slow  # the suite's 15 minutes: the default run keeps one family beside Llama (DeepSeek-V3)
 def test_family_gemma3(ray_cluster, smol_target, tmp_path, monkeypatch):
     check_family("gemma3", ray_cluster, smol_target, tmp_path, monkeypatch)
 

@@ -15,6 +15,7 @@ from tests.helpers import NO_CALIBRATION, QUICK_EVAL
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # the suite's 15 minutes: the default run keeps one whole job (test_job.py)
 def test_a_starved_group_trains_on_the_other_groups_samples(ray_cluster, smol_target, replay_dir, tmp_path):
     from cluster.job import TrainingJob
 

@@ -1,6 +1,7 @@
 """The Ray job end to end on the local target (real vLLM CPU, Mooncake, DeepSpeed gloo), small:
 exactly-once counts, a checkpoint speculators loads, a held-out τ, metrics on Ray's Prometheus
-endpoint, and (slow) kill + resubmit resuming from the last checkpoint."""
+endpoint, every listener of its processes on loopback or behind the token, and (slow) kill +
+resubmit resuming from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from cluster.config_load import load_config
 from dspark import evaluate
 from tests.helpers import FIXED_PLAN, QUICK_EVAL, eager_target, untrained_copy
+from tests.integration.test_security import ListenerWatch
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +91,8 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
             "data.long_context_budget_s=120",
         ],
     )
-    result = TrainingJob(cfg).run()
+    with ListenerWatch() as listeners:  # what tests/integration/test_security.py checks, on this job
+        result = TrainingJob(cfg).run()
     # The job's series, first: Ray drops a gauge ~25 s after it was last set (measured on Ray
     # 2.60), and the job set them last as it ended.
     trained = scrape("dspark_samples_trained", "e2e")  # the job's world, all groups
@@ -99,6 +102,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     proof = result["exactly_once"]
     assert proof["per_epoch"] == {str(e): 24 for e in range(cfg.data.epochs)} and proof["failed"] == []
     assert result["steps"] >= 2
+    listeners.assert_safe()  # every listener of its processes on loopback or refusing a client without the token
     # what was trained as passes over the prompts; no box plan (FIXED_PLAN): the settings as written
     assert result["epochs"] == {"planned": 4, "kept": 4, "prompts": 24, "trained": 4.0} and result["plan"] is None
     run = tmp_path / "e2e"
@@ -192,7 +196,9 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     assert "## Acceptance at temperature 0.7" in card and "## Acceptance by context length" in card
     assert (Path(result["drafter"]) / "serve.sh").stat().st_mode & 0o111
     ckpts = sorted((run / "checkpoints").glob("step-*"))
-    assert ckpts and all((c / "drafter" / "config.json").exists() and (c / "ledger.json").exists() for c in ckpts)
+    from cluster.data.ledger_checkpoint import ledger_problem
+
+    assert ckpts and all((c / "drafter" / "config.json").exists() and ledger_problem(c) is None for c in ckpts)
     from speculators.model import SpeculatorModel
 
     sm = SpeculatorModel.from_pretrained(result["drafter"])

@@ -64,6 +64,7 @@ def test_remote_code_refused_without_trust(remote_target, marker):
     assert not marker.exists(), "the target's code ran without target.trust_remote_code"
 
 
+@pytest.mark.slow  # a whole engine start; the refusal without trust stays in the default run
 def test_remote_code_target_with_trust(ray_cluster, remote_target, marker, tmp_path):
     ray = ray_cluster
     cfg = load_config(

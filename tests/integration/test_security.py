@@ -221,13 +221,57 @@ def test_the_probe_tells_a_refusal_from_an_answer(ray_cluster, mooncake_master):
         raw.close()
 
 
+class ListenerWatch:
+    """The listeners of this process and its descendants, read every `interval_s` in a thread
+    while a job runs; each new one beyond loopback probed at once (while it is there). Used by
+    the slow test below and by the default run's end-to-end job (tests/integration/test_job.py)."""
+
+    PARTS = ("mooncake_master", "mooncake_client", "TrainerRank", "InferenceActor", "gcs_server", "raylet")
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.seen: dict[Listener, tuple[bool, str]] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="listener-watch")
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            for listener in listeners(os.getpid()) - set(self.seen):
+                self.seen[listener] = (True, "loopback") if listener.loopback else refuses_without_token(listener)
+            self._done.wait(self.interval_s)
+
+    def __enter__(self) -> ListenerWatch:
+        assert os.environ.get("RAY_AUTH_MODE") == "token"
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=60)
+
+    def assert_safe(self) -> None:
+        """It saw the job's processes while they ran (not only what was left at the end), and
+        every listener beyond loopback refused a client without the token."""
+        processes = " ".join(x.process for x in self.seen)
+        for part in self.PARTS:
+            assert part in processes, f"no listener of {part} seen: {sorted({x.process[:60] for x in self.seen})}"
+        beyond = sorted(
+            f"{x.address}:{x.port} {x.process[:60]}: {why}" for x, (_, why) in self.seen.items() if not x.loopback
+        )
+        kinds = Counter(x.process.split()[0].rsplit("/", 1)[-1] for x in self.seen)
+        print(f"{len(self.seen)} listeners seen ({dict(kinds)}), {len(beyond)} beyond loopback: {beyond}")
+        exposed = {x: why for x, (ok, why) in self.seen.items() if not ok}
+        assert not exposed, "listeners beyond loopback that do not refuse a client without the token:\n" + "\n".join(
+            f"  {x.address}:{x.port} pid {x.pid} {x.process[:100]}: {why}"
+            for x, why in sorted(exposed.items(), key=str)
+        )
+
+
+@pytest.mark.slow  # the default run watches the end-to-end job's listeners (one rank) instead
 def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_cluster, smol_target, tmp_path):
-    """The local job (vLLM replica, two trainer ranks, store master and daemon), small; the
-    listeners are read every half second while it runs, and each new one beyond loopback is
-    probed at once (while it is there)."""
+    """The local job (vLLM replica, two trainer ranks, store master and daemon), small."""
     from cluster.job import TrainingJob
 
-    assert os.environ.get("RAY_AUTH_MODE") == "token"
     cfg = load_config(
         ROOT / "configs" / "local.yaml",
         [
@@ -251,34 +295,10 @@ def test_every_listener_of_the_job_is_loopback_or_refuses_without_the_token(ray_
             *QUICK_EVAL,
         ],
     )
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = TrainingJob(cfg).run()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            outcome["error"] = e
-
-    job = threading.Thread(target=run, daemon=True)
-    job.start()
-    seen: dict[Listener, tuple[bool, str]] = {}
-    while job.is_alive():
-        for listener in listeners(os.getpid()) - set(seen):
-            seen[listener] = (True, "loopback") if listener.loopback else refuses_without_token(listener)
-        job.join(0.5)
-    assert "error" not in outcome, outcome.get("error")
-    assert outcome["result"]["exactly_once"]["failed"] == []
-    # The enumeration saw the job's processes while they ran, not only what was left at the end.
-    processes = " ".join(x.process for x in seen)
-    for part in ("mooncake_master", "mooncake_client", "TrainerRank", "InferenceActor", "gcs_server", "raylet"):
-        assert part in processes, f"no listener of {part} seen: {sorted({x.process[:60] for x in seen})}"
+    with ListenerWatch() as watch:
+        result = TrainingJob(cfg).run()
+    assert result["exactly_once"]["failed"] == []
     # A trainer rank listens as a Ray worker and for its gloo peers (the world has two ranks).
-    per_rank = Counter(x.pid for x in seen if "TrainerRank" in x.process)
+    per_rank = Counter(x.pid for x in watch.seen if "TrainerRank" in x.process)
     assert max(per_rank.values()) >= 2, per_rank
-    beyond = sorted(f"{x.address}:{x.port} {x.process[:60]}: {why}" for x, (_, why) in seen.items() if not x.loopback)
-    kinds = Counter(x.process.split()[0].rsplit("/", 1)[-1] for x in seen)
-    print(f"{len(seen)} listeners seen ({dict(kinds)}), {len(beyond)} beyond loopback: {beyond}")
-    exposed = {x: why for x, (ok, why) in seen.items() if not ok}
-    assert not exposed, "listeners beyond loopback that do not refuse a client without the token:\n" + "\n".join(
-        f"  {x.address}:{x.port} pid {x.pid} {x.process[:100]}: {why}" for x, why in sorted(exposed.items(), key=str)
-    )
+    watch.assert_safe()
