@@ -36,6 +36,16 @@ rank of the one data-parallel world leases from it.
   gone with the store → pending; a lease whose data the trainer can no longer read comes back
   through `release_lease`), `trainer_restarted` (leased after the last commit → stored,
   re-leased as is).
+- Failures: an entry counts its hand-outs (`attempts`, part of its store key, so that a retry
+  never aliases a stale object) apart from the failures its prompt or sample is to blame for
+  (`failures`), and only those make it FAILED, at `max_attempts`: the producer reported an
+  error for it (`ProducedSample.blamed`: not a put given up on a full or unavailable store),
+  its replica died or hung while generating it (`replica_died`), or its sample was read and
+  found corrupt or with token ids outside the vocabulary (`release_lease`, whose reasons
+  `read_failure_blamed` sorts). What is not its fault costs it nothing however often it
+  happens: a stop and resubmit, a master restart, a sample gone from the store (a daemon or the
+  master lost it), a put given up because the store stayed full. A step whose loss was not
+  finite counts apart (`release_lease(regenerate=False)`: FAILED after `max_attempts` of them).
 - Plan: `shorten(n)` drops the epochs from n on, before any of them has begun, as if never
   planned (a time budget that will not fit them: `cluster.training.budget`).
 - Reserved prompts (`reserved`: the calibration split and the held-out prompts the confidence
@@ -83,6 +93,7 @@ from cluster.data.ledger_entry import (
     UNBOUNDED,
     Entry,
     LedgerError,
+    saved_failures,
     saved_ref,
     saved_row,
 )
@@ -291,15 +302,29 @@ class SampleLedger(GenerationSide, TrainingSide):
         (its inherited sample was lost)."""
         return self.entries[f"{e.prompt_id}@{e.epoch - 1}"].state in (LEASED, TRAINED, FAILED)
 
-    def _retry_or_fail(self, e: Entry, error: str) -> None:
+    def _retry_or_fail(self, e: Entry, error: str, blamed: bool = True) -> None:
         """Back to pending for another attempt, or FAILED (final, with every error) once it has
-        had `max_attempts`: a prompt that fails, kills its replica, or whose sample cannot be
-        read every time is given up on by name instead of being retried forever."""
+        `max_attempts` failures it is to blame for (`blamed`): a prompt that fails, kills its
+        replica, or whose sample is corrupt every time is given up on by name instead of being
+        retried forever; one whose sample was lost or could not be put for lack of room is
+        retried however often that happens (the error is kept all the same)."""
         e.errors.append(error)
-        if e.attempts >= self.max_attempts:
-            self._fail(e, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
+        failures = e.failures + blamed
+        if failures >= self.max_attempts:
+            self._fail(e, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False, failures=failures)
         else:
-            self._set(e, PENDING, replica=None, group=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
+            self._set(
+                e,
+                PENDING,
+                replica=None,
+                group=None,
+                ref=None,
+                step=None,
+                rank=None,
+                nbytes=0,
+                crossed=False,
+                failures=failures,
+            )
 
     def _fail(self, e: Entry, **fields) -> None:
         """Give up on `e` (FAILED is final), and on its prompt in every epoch: its pending
@@ -430,13 +455,13 @@ class SampleLedger(GenerationSide, TrainingSide):
 
     def state_dict(self) -> dict:
         """The ledger as saved in a checkpoint. Only entries something happened to: a pending
-        entry never attempted is what a ledger of the same prompts starts with (at 10^6
+        entry never handed out (nor failed: `ledger_entry.saved`) is what a ledger of the same prompts starts with (at 10^6
         prompts × 3 epochs most of the plan, early in a job). The rows are built field by
         field (`dataclasses.asdict` deep-copies each value: 23 µs an entry, 70 s at 3·10^6)."""
         return {
             **self._saved_header(),
             "entries": [
-                saved_row(e) for e in map(self.entries.__getitem__, self.order) if e.state != PENDING or e.attempts
+                saved_row(e) for e in map(self.entries.__getitem__, self.order) if e.state != PENDING or e.attempts or e.failures
             ],
         }
 
@@ -457,7 +482,8 @@ class SampleLedger(GenerationSide, TrainingSide):
         Returns the keys the saved state referenced, which may still linger in the store
         (stored before the crash, or trained but not yet removed), and, loaded into a ledger
         that lived on (a trainer that went back to its checkpoint), the keys it held: the
-        caller removes them. Attempts never go back (a key is never handed out twice), and
+        caller removes them. Attempts never go back (a key is never handed out twice), nor do
+        blamed failures (a row saved before they were counted: `ledger_entry.saved_failures`);
         the keys of samples in generation are removed at the next commit (`abandoned_keys`).
         """
         known = {f"{d['prompt_id']}@{d['epoch']}": d for d in state["entries"]}
@@ -476,6 +502,7 @@ class SampleLedger(GenerationSide, TrainingSide):
                     trained_at_step=d.get("trained_at_step"),
                     tokens=d.get("tokens", 0),
                     attempts=max(e.attempts, d.get("attempts", 0)),
+                    failures=max(e.failures, saved_failures(d)),
                     errors=list(d.get("errors", [])),
                     ref=saved_ref(d),
                     group=d.get("group"),
@@ -496,6 +523,7 @@ class SampleLedger(GenerationSide, TrainingSide):
                     crossed=False,
                     released=False,
                     attempts=max(e.attempts, d.get("attempts", 0) if d else 0),
+                    failures=max(e.failures, saved_failures(d) if d else 0),
                 )
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))

@@ -32,7 +32,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.data.ledger_entry import PENDING
+from cluster.data.ledger_entry import saved
 
 CHAIN_FILE = "ledger.chain.json"
 WHOLE_FILE = "ledger.json"  # (before the chain: the whole state in one file)
@@ -53,8 +53,8 @@ def load_ledger_state(ckpt: Path) -> dict:
             for line in fh:
                 d = json.loads(line)
                 rows[f"{d['prompt_id']}@{d['epoch']}"] = d
-    # a row back where a new ledger starts (pending, never attempted) is not saved, as in a whole state
-    return {**chain["header"], "entries": [d for d in rows.values() if d["state"] != PENDING or d["attempts"]]}
+    # a row back where a new ledger starts (pending, never handed out nor failed) is not saved, as in a whole state
+    return {**chain["header"], "entries": [d for d in rows.values() if saved(d)]}
 
 
 def chain_files(ckpt: Path) -> list[dict] | None:

@@ -32,7 +32,8 @@ class Entry:
     released: bool = False  # trained, not yet committed, and its bytes already gone from the store
     suspect: bool = False  # was being generated when its replica died: retried alone
     since: float = 0.0  # when the current state began
-    attempts: int = 0
+    attempts: int = 0  # hand-outs (in the store key: a retry never aliases a stale object)
+    failures: int = 0  # failures the prompt or its sample is to blame for: FAILED at `max_attempts`
     errors: list[str] = field(default_factory=list)
     trained_at_step: int | None = None
 
@@ -58,9 +59,32 @@ def saved_row(e: Entry) -> dict:
         "crossed": e.crossed,
         "released": e.released,
         "attempts": e.attempts,
+        "failures": e.failures,
         "errors": list(e.errors),
         "trained_at_step": e.trained_at_step,
     }
+
+
+def nonfinite_step(error: str) -> bool:
+    """An error of a step whose loss was not finite (`release_lease(regenerate=False)`): counted
+    on its own, not a failure of the sample."""
+    return error.startswith("step ") and "non-finite" in error
+
+
+def saved_failures(row: dict) -> int:
+    """The blamed failures of a saved row. A row saved before they were counted has none: they
+    are derived from its errors, every one but a non-finite step's counted as blamed (the old
+    rule counted each against `max_attempts` too, so a resumed prompt never has more tries left
+    than it had; an innocent one may have fewer, as it did then)."""
+    if "failures" in row:
+        return row["failures"]
+    return sum(not nonfinite_step(err) for err in row.get("errors", []))
+
+
+def saved(row: dict) -> bool:
+    """Whether a checkpoint keeps a row: not when it is where a new ledger starts it (pending,
+    never handed out, never failed)."""
+    return row["state"] != PENDING or bool(row["attempts"]) or bool(row.get("failures"))
 
 
 def saved_ref(row: dict) -> SampleRef | None:

@@ -86,7 +86,7 @@ class GenerationSide:
                     self._abandoned.append(r.ref.key)
                 continue
             if r.error or r.ref is None:
-                self._retry_or_fail(e, r.error or "no sample")
+                self._retry_or_fail(e, r.error or "no sample", r.blamed)
                 continue
             tokens, nbytes = r.ref.num_tokens, r.ref.nbytes
             self._set(e, STORED, ref=r.ref, tokens=tokens, nbytes=nbytes, replica=None, suspect=False)
@@ -97,8 +97,8 @@ class GenerationSide:
         self._update_pause()
 
     def replica_died(self, replica: str, cause: str = "") -> int:
-        """Its prompts go back to pending; each death counts as an attempt of every prompt it
-        was generating, and they are retried one per request: a prompt that kills every replica
+        """Its prompts go back to pending; each death counts as a failure of every prompt it
+        was generating (any of them may have killed it), and they are retried one per request: a prompt that kills every replica
         that takes it ends FAILED alone, the others of its batch go through."""
         lost = [e for e in self._in(GENERATING) if e.replica == replica]
         for e in lost:
@@ -126,7 +126,8 @@ class GenerationSide:
         return out
 
     def master_restarted(self, generation: int) -> int:
-        """A new master generation has no keys: stored samples must be regenerated.
+        """A new master generation has no keys: stored samples must be regenerated (not their
+        prompts' failure: it costs them nothing).
 
         Leased samples stay leased: if the trainer already read them they are in the model and
         only await their commit; if it had not, its read fails and `release_lease` returns them.

@@ -22,11 +22,14 @@ class PromptTask:
 
 @dataclass(frozen=True)
 class ProducedSample:
-    """A stored sample's reference (its tokens and bytes are the ref's), or why there is none."""
+    """A stored sample's reference (its tokens and bytes are the ref's), or why there is none;
+    `blamed`: whether that is the prompt's failure (counted against `max_attempts`), False when
+    the producer gave its put up for want of store room or a store to reach."""
 
     uid: str
     ref: SampleRef | None = None
     error: str | None = None
+    blamed: bool = True
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,17 @@ class LeasedSample:
     def prompt_id(self) -> str:
         """The prompt this sample answers (its uid is `<prompt id>@<epoch>`)."""
         return self.uid.rsplit("@", 1)[0]
+
+
+# How the trainer's `fetch` names a sample it cannot train that is the sample's own fault (its
+# reasons are `<exception type>: <message>`, or the out-of-vocabulary one it words itself):
+# `dspark.samples.CorruptSampleError` (the sample's own check, or its MAC) and token ids outside
+# the target's vocabulary. Anything else is the store's (`SampleMissing`: a daemon or the master
+# lost it; `StoreUnavailable`; another `StoreError`).
+BLAMED_READS = ("CorruptSampleError: ", "token id ")
+
+
+def read_failure_blamed(why: str) -> bool:
+    """Whether a sample that could not be read (`why`, as `TrainerRank.fetch` reports it) counts
+    as a failure of its prompt (`SampleLedger.release_lease`)."""
+    return why.startswith(BLAMED_READS)

@@ -25,9 +25,10 @@ from cluster.data.ledger_entry import (
     TRAINED,
     UNBOUNDED,
     Entry,
+    nonfinite_step,
     saved_row,
 )
-from cluster.data.ledger_rows import LeasedSample
+from cluster.data.ledger_rows import LeasedSample, read_failure_blamed
 
 
 class TrainingSide:
@@ -243,18 +244,19 @@ class TrainingSide:
         regenerate: bool = True,
     ) -> None:
         """Step `step` cannot train: the `missing` samples (a list, or uid -> why) are gone or
-        unusable and go back to pending to be regenerated (an attempt each: FAILED after
-        `max_attempts`); with `regenerate=False` (their data is fine, the step was not: a
+        unusable and go back to pending to be regenerated: a failure of the sample where it is
+        to blame (`read_failure_blamed`: corrupt, or out of the vocabulary; FAILED after
+        `max_attempts` of them), none where the store lost it; with `regenerate=False` (their data is fine, the step was not: a
         non-finite loss) they are leased again as they are, FAILED after `max_attempts` such
         steps. The rest go back to stored, to be leased again."""
         why = missing if isinstance(missing, dict) else dict.fromkeys(missing, reason)
         for e in self._leased_at(step):
             if e.uid in why and regenerate:
-                self._retry_or_fail(e, f"step {step}: {why[e.uid]}")
+                self._retry_or_fail(e, f"step {step}: {why[e.uid]}", read_failure_blamed(why[e.uid]))
                 continue
             if e.uid in why:
                 e.errors.append(f"step {step}: {why[e.uid]}")
-                if sum(err.startswith("step ") and "non-finite" in err for err in e.errors) >= self.max_attempts:
+                if sum(map(nonfinite_step, e.errors)) >= self.max_attempts:
                     self._fail(e, step=None, rank=None, crossed=False)
                     continue
             self._set(e, STORED, step=None, rank=None, crossed=False)

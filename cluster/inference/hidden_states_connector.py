@@ -117,7 +117,11 @@ class MooncakeHiddenStatesConnector(ExampleHiddenStatesConnector):
         # to its Ray workers), never in this config, which vLLM logs.
         self.store_config = {**extra.get("store", {}), "sample_key": os.environ.get("DSPARK_SAMPLE_KEY", "")}
         self.put_retry_s = float(extra.get("put_retry_s", 600.0))
-        self._puts = SamplePuts(self.store, self.put_retry_s, step_put_budget_s(extra), writer_threads)
+        # a put given up leaves a note saying why for the replica (`sample_puts`), there if it asked
+        notes_dir = extra.get("put_notes_dir")
+        self._puts = SamplePuts(
+            self.store, self.put_retry_s, step_put_budget_s(extra), writer_threads, notes_dir=notes_dir
+        )
         self.out_dir = Path(extra.get("shared_storage_path", "/tmp/dspark-hidden-states"))
         self.layer_ids = list(getattr(vllm_config.model_config.hf_config, LAYER_IDS_KEY, None) or [])
         if not self.layer_ids:

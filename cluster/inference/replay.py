@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cluster.data import ProducedSample, PromptTask
 from cluster.inference.producer import Producer
-from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry
+from cluster.store import HiddenStateStore, SampleRef, StoreConfig, put_with_retry, wants_room
 
 
 @dataclass
@@ -82,7 +82,8 @@ class ReplayActor(Producer):
             try:
                 self._put(p.key, sample)
             except Exception as e:  # noqa: BLE001 - reported to the ledger, which retries
-                reports.append(ProducedSample(p.uid, error=f"put: {e}"))
+                # given up for want of room or of a store: no failure of the prompt
+                reports.append(ProducedSample(p.uid, error=f"put: {e}", blamed=not wants_room(e)))
                 self.totals["failed"] += 1
                 continue
             ref = SampleRef.for_sample(p.key, sample)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from cluster.data import ProducedSample, PromptTask
 from cluster.errors import last_exception_line
 from cluster.inference.capture_model import capture_engine_kwargs
 from cluster.inference.producer import Producer
+from cluster.inference.sample_puts import take_put_note
 from cluster.store import HiddenStateStore, SampleRef, StoreConfig
 from cluster.waiting import wait_until
 from dspark.chat import TOKENIZER_DEFAULT, ChatFormat
@@ -76,6 +78,9 @@ class InferenceSettings:
     flush_timeout_s: float = 600.0
     cpu_threads: int | None = None  # CPU: the replica's cores, shared by its TP ranks (None: this process's)
     span: EngineSpan | None = None  # an engine over several nodes: this process's part of it
+    # where the connector's puts given up leave why (`sample_puts`; the replica makes one if unset):
+    # a put given up for want of store room is no failure of its prompt
+    put_notes_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class Produced:
     response_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     error: str | None = None
+    blamed: bool = True  # the error is the prompt's failure (not a put given up for want of store room)
 
 
 def uses_mla(target_path: str) -> bool:
@@ -197,6 +203,7 @@ def engine_kwargs(s: InferenceSettings) -> dict:
                 "key_prefix": s.key_prefix,
                 "store": asdict(replace(s.store, sample_key="")),
                 "put_retry_s": max(s.flush_timeout_s - PUT_MARGIN_S, 1.0),
+                "put_notes_dir": s.put_notes_dir,
                 "shared_storage_path": s.file_dir,
             },
         }
@@ -271,6 +278,8 @@ class InferenceActor(Producer):
         os.environ[SAMPLE_KEY_ENV] = s.store.sample_key
         extra = [v for v in os.environ.get("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "").split(",") if v]
         os.environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(sorted({*extra, SAMPLE_KEY_ENV}))
+        if s.put_notes_dir is None and s.extract and s.backend == "mooncake":  # (rank 0 writes: this node)
+            s.put_notes_dir = tempfile.mkdtemp(prefix="dspark-put-notes-")
         if s.device == "cpu":
             # One engine process per actor: the actor *is* the replica, and the store client
             # of the connector lives here too (with TP, rank 0's worker holds another).
@@ -360,7 +369,9 @@ class InferenceActor(Producer):
         """Writes happen when the engine next steps after a request finishes; step until every
         sample is in the store (or its file exists), or mark the missing ones failed: their puts
         were given up (the connector logs why, with the store's error), so nothing of them
-        lands later, and the ledger hands their prompts out again."""
+        lands later, and the ledger hands their prompts out again. A put given up for want of
+        room (the connector's note says so: `sample_puts.take_put_note`) is not counted against
+        its prompt; one refused outright, or without a note, is."""
         s = self.settings
 
         def present(r: Produced) -> bool:
@@ -384,15 +395,20 @@ class InferenceActor(Producer):
         except TimeoutError:
             pass  # what is still missing is reported below, per prompt
         for r in waiting:
-            r.error = (
-                f"hidden states not stored: {r.ref.key} still missing after {s.flush_timeout_s:g}s "
-                "(a store full all that time, or a put the store refused: the engine's log names its error)"
-            )
+            note = take_put_note(s.put_notes_dir, r.ref.key) if s.put_notes_dir else None
+            if note is not None:
+                capacity, outcome = note
+                r.error, r.blamed = f"hidden states not stored: {outcome}", not capacity
+            else:
+                r.error = (
+                    f"hidden states not stored: {r.ref.key} still missing after {s.flush_timeout_s:g}s "
+                    "(a store full all that time, or a put the store refused: the engine's log names its error)"
+                )
             r.ref = None
 
     def produce(self, prompts: list[PromptTask]) -> list[ProducedSample]:
         done = self.process([{"id": t.id, "messages": t.messages, "key": t.key} for t in prompts])
-        return [ProducedSample(t.uid, r.ref, r.error) for t, r in zip(prompts, done)]
+        return [ProducedSample(t.uid, r.ref, r.error, r.blamed) for t, r in zip(prompts, done)]
 
 
 class HeadlessEngineWorker:

@@ -19,11 +19,18 @@ to run the tries, as the connector copies a request's states out of the engine:
 - GPU (`queue` without the sample, then `submit`): the put runs in a writer thread once the
   device→host copy is done; a put that waited in the writer queue past its deadline is dropped
   there, untried.
+
+A put given up says why in a note the replica reads (`notes_dir`: the connector runs in vLLM's
+worker, maybe another process than the replica's): for want of room (`capacity`: the store stayed
+full, or unreachable, until the deadline; not the prompt's failure) or refused outright (an error
+no wait makes pass: the prompt's, counted against its attempts). `take_put_note` reads it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +52,7 @@ class QueuedPut:
     next_try: float = 0.0
     last_error: StoreError | None = None
     outcome: str | None = None  # STORED, or why it was given up (naming the key and the store's error)
+    capacity: bool | None = None  # given up: for want of room or of a store to reach (not the sample's fault)
 
     def query(self) -> bool:
         """Settled (stored or given up). Stands in for a copy event in the connector's bookkeeping
@@ -61,11 +69,13 @@ class SamplePuts:
         writer_threads: int = 8,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        notes_dir: str | None = None,
     ) -> None:
         """`store`: returns the connected store (connected on first use). `timeout_s`: how long a
         put may take from its enqueue. `step_budget_s`: how long one `advance` may spend trying
-        (past it, what is due waits for the next step; a try under way is not cut short)."""
-        self.store, self.timeout_s, self.step_budget_s = store, timeout_s, step_budget_s
+        (past it, what is due waits for the next step; a try under way is not cut short).
+        `notes_dir`: where a put given up leaves its note for the replica (`write_put_note`)."""
+        self.store, self.timeout_s, self.step_budget_s, self.notes_dir = store, timeout_s, step_budget_s, notes_dir
         self.writer_threads, self.clock, self.sleep = writer_threads, clock, sleep
         self.waiting: list[QueuedPut] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -122,7 +132,7 @@ class SamplePuts:
         except StoreError as e:
             put.tries, put.last_error = put.tries + 1, e
             if e.code not in TRANSIENT:  # no wait makes it pass
-                self._settle(put, f"put of {put.key} failed: {e}")
+                self._settle(put, f"put of {put.key} failed: {e}", capacity=False)
                 return
             put.next_try = self.clock() + put_backoff_s(put.tries)
             return
@@ -134,12 +144,44 @@ class SamplePuts:
             if put.tries
             else "never tried: its deadline passed while it was queued"
         )
-        self._settle(put, f"put of {put.key} given up {self.timeout_s:g}s after it was queued: {why}")
+        # (only refusals worth a retry, `TRANSIENT`, or none, come this far: the store's want of room)
+        self._settle(put, f"put of {put.key} given up {self.timeout_s:g}s after it was queued: {why}", capacity=True)
 
-    def _settle(self, put: QueuedPut, outcome: str) -> None:
-        put.outcome, put.sample = outcome, None
+    def _settle(self, put: QueuedPut, outcome: str, capacity: bool | None = None) -> None:
+        put.outcome, put.sample, put.capacity = outcome, None, capacity
         if outcome != STORED:
             logger.error("hidden states not stored: %s", outcome)
+            if self.notes_dir:
+                try:
+                    write_put_note(self.notes_dir, put.key, bool(capacity), outcome)
+                except OSError as e:  # (the replica then counts it against the prompt, as before notes)
+                    logger.error("could not leave the note of %s: %r", put.key, e)
 
 
-__all__ = ["STORED", "QueuedPut", "SamplePuts"]
+def _note_path(notes_dir: str, key: str) -> str:
+    return os.path.join(notes_dir, key.replace("/", "_") + ".json")
+
+
+def write_put_note(notes_dir: str, key: str, capacity: bool, outcome: str) -> None:
+    """Leave why the put of `key` was given up for the replica that waits for it (written whole,
+    then renamed: a reader never sees half a note)."""
+    path = _note_path(notes_dir, key)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"capacity": capacity, "outcome": outcome}, f)
+    os.replace(path + ".tmp", path)
+
+
+def take_put_note(notes_dir: str, key: str) -> tuple[bool, str] | None:
+    """Why the put of `key` was given up (for want of room, the connector's outcome), removing
+    the note; None without one."""
+    path = _note_path(notes_dir, key)
+    try:
+        with open(path, encoding="utf-8") as f:
+            note = json.load(f)
+        os.remove(path)
+    except (OSError, ValueError):
+        return None
+    return bool(note["capacity"]), str(note["outcome"])
+
+
+__all__ = ["STORED", "QueuedPut", "SamplePuts", "take_put_note", "write_put_note"]

@@ -18,6 +18,7 @@ from cluster.store.client import (
     probe,
     put_backoff_s,
     put_with_retry,
+    wants_room,
 )
 from cluster.store.master import MooncakeMaster
 from cluster.store.node_store import NodeStore
@@ -45,4 +46,5 @@ __all__ = [
     "put_with_retry",
     "sample_from_buffer",
     "sample_parts",
+    "wants_room",
 ]

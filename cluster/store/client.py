@@ -123,6 +123,13 @@ class StoreUnavailable(RuntimeError):
     """The master does not answer."""
 
 
+def wants_room(e: BaseException) -> bool:
+    """Whether a put failed for want of room or of a store to reach (a full segment, a transfer
+    or RPC failure, an unavailable master, `put_with_retry`'s wait run out), not for what it
+    put: its prompt is not to blame (`ProducedSample.blamed`)."""
+    return isinstance(e, (StoreUnavailable, TimeoutError)) or (isinstance(e, StoreError) and e.code in TRANSIENT)
+
+
 def raise_for(op: str, code: int, key: str | None = None) -> None:
     if code >= 0:
         return

@@ -254,7 +254,8 @@ class TrainerRank:
     def fetch(self, step: int, rows: list[LeasedSample]) -> dict[str, str]:
         """Read this rank's samples for `step`; returns {uid: why} for those that cannot be
         trained: gone from the store, corrupt (Mooncake's error or the sample's own check names
-        it), or with token ids outside the target's vocabulary."""
+        it), or with token ids outside the target's vocabulary. The ledger counts the last two
+        against the prompt by these words (`cluster.data.ledger_rows.read_failure_blamed`)."""
         from cluster.store import SampleMissing, StoreError, StoreUnavailable
         from dspark.samples import CorruptSampleError
 

@@ -73,6 +73,7 @@ from cluster.data.ledger_entry import (
     UNBOUNDED,
     Entry,
     LedgerError,
+    saved_failures,
 )
 from tests.ledger_reference.ledger_generation import GenerationSide
 from tests.ledger_reference.ledger_training import TrainingSide
@@ -222,12 +223,14 @@ class SampleLedger(GenerationSide, TrainingSide):
         (its inherited sample was lost)."""
         return self.entries[f"{e.prompt_id}@{e.epoch - 1}"].state in (LEASED, TRAINED, FAILED)
 
-    def _retry_or_fail(self, e: Entry, error: str) -> None:
+    def _retry_or_fail(self, e: Entry, error: str, blamed: bool = True) -> None:
         """Back to pending for another attempt, or FAILED (final, with every error) once it has
         had `max_attempts`: a prompt that fails, kills its replica, or whose sample cannot be
         read every time is given up on by name instead of being retried forever."""
+        # (changed on purpose with the ledger's: only blamed failures count, not hand-outs)
         e.errors.append(error)
-        if e.attempts >= self.max_attempts:
+        e.failures += blamed
+        if e.failures >= self.max_attempts:
             self._fail(e, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
         else:
             self._set(e, PENDING, replica=None, group=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
@@ -372,6 +375,7 @@ class SampleLedger(GenerationSide, TrainingSide):
                     trained_at_step=d.get("trained_at_step"),
                     tokens=d.get("tokens", 0),
                     attempts=max(e.attempts, d.get("attempts", 0)),
+                    failures=max(e.failures, saved_failures(d)),
                     errors=list(d.get("errors", [])),
                     ref=d.get("ref"),
                     group=d.get("group"),
@@ -392,6 +396,7 @@ class SampleLedger(GenerationSide, TrainingSide):
                     crossed=False,
                     released=False,
                     attempts=max(e.attempts, d.get("attempts", 0) if d else 0),
+                    failures=max(e.failures, saved_failures(d) if d else 0),
                 )
         self.committed_step = state.get("committed_step", 0)
         self.totals = Counter(state.get("totals", {}))

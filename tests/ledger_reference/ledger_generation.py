@@ -78,7 +78,7 @@ class GenerationSide:
                     self._abandoned.append(r["ref"]["key"])
                 continue
             if r.get("error") or not r.get("ref"):
-                self._retry_or_fail(e, str(r.get("error")))
+                self._retry_or_fail(e, str(r.get("error")), r.get("blamed", True))
                 continue
             self._set(
                 e, STORED, ref=r["ref"], tokens=int(r["tokens"]), nbytes=int(r["nbytes"]), replica=None, suspect=False

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from cluster.data.ledger_entry import LEASED, PENDING, STORED, TRAINED, UNBOUNDED, Entry
+from cluster.data.ledger_rows import read_failure_blamed
 
 
 class TrainingSide:
@@ -167,7 +168,7 @@ class TrainingSide:
             if e.step != step:
                 continue
             if e.uid in why and regenerate:
-                self._retry_or_fail(e, f"step {step}: {why[e.uid]}")
+                self._retry_or_fail(e, f"step {step}: {why[e.uid]}", read_failure_blamed(why[e.uid]))
                 continue
             if e.uid in why:
                 e.errors.append(f"step {step}: {why[e.uid]}")

@@ -19,7 +19,7 @@ def _row(r: ProducedSample) -> dict:
     """The dict row the reference takes for a report (what `LedgerClient` made of one before the
     rows were typed)."""
     if r.ref is None:
-        return {"uid": r.uid, "error": r.error or "no sample"}
+        return {"uid": r.uid, "error": r.error or "no sample", "blamed": r.blamed}
     return {
         "uid": r.uid,
         "ref": r.ref.to_dict(),

@@ -506,12 +506,14 @@ def test_a_checkpoint_written_before_typed_refs_loads_and_is_saved_in_the_same_j
     after = json.loads(json.dumps(ledger.checkpoint_state(1)))
     assert {k: v for k, v in after.items() if k != "entries"} == {k: v for k, v in before.items() if k != "entries"}
     rows = {d["prompt_id"]: d for d in after["entries"]}
-    assert list(rows["p0"]) == list(before["entries"][0])  # the same fields in the same order
+    # the same fields in the same order, and the blamed failures counted since (after the attempts)
+    fields = list(before["entries"][0])
+    assert list(rows["p0"]) == [*fields[: fields.index("errors")], "failures", *fields[fields.index("errors") :]]
     # the same row, but the file path nobody read (a ref is its key and shapes); a loaded trained
     # entry holds no bytes in the store (so it was before: load_state_dict does not restore nbytes)
     ref = {k: v for k, v in before["entries"][0]["ref"].items() if k != "path"}
-    assert rows["p0"] == {**before["entries"][0], "ref": ref, "nbytes": 0}
-    assert rows["p2"] == before["entries"][2]
+    assert rows["p0"] == {**before["entries"][0], "ref": ref, "nbytes": 0, "failures": 0}
+    assert rows["p2"] == {**before["entries"][2], "failures": 1}  # (derived: its one error)
     # and a state saved now loads into a fresh ledger and is saved again unchanged
     fresh = SampleLedger(prompts(3), max_attempts=1)
     fresh.load_state_dict(json.loads(json.dumps(after)))
@@ -528,3 +530,157 @@ def test_a_stored_ref_is_saved_as_its_fields_and_leased_as_it_was_reported():
     assert leased.ref is ref and leased.group == "g0"  # the very ref, no round trip
     [row] = json.loads(json.dumps(ledger.checkpoint_state(1)))["entries"]
     assert row["ref"] == {"key": p.key, "num_tokens": 7, "layer_ids": [1, 3], "hidden_size": 4, "dtype": "float32"}
+
+
+# ---- blamed failures: only what the prompt or its sample is to blame for counts -----------------
+def hand_out(ledger, replica="r0") -> PromptTask:
+    (p,) = ledger.request_prompts(replica, 1)
+    return p
+
+
+def store_and_lease(ledger, step: int) -> str:
+    p = hand_out(ledger)
+    ledger.report_produced("r0", [stored(p, 5, 1)])
+    (rows,) = ledger.lease_step(step, ["g0"], 100)
+    return rows[0].uid
+
+
+def test_a_prompt_generating_at_every_stop_is_never_failed():
+    # stop + resubmit while p0 generates, five times: each resumed job hands it out again (a new
+    # attempt, a new key), none is its failure
+    ledger, keys = SampleLedger(prompts(1), max_attempts=3), set()
+    for _ in range(5):
+        keys.add(hand_out(ledger).key)
+        resumed = SampleLedger(prompts(1), max_attempts=3)
+        resumed.load_state_dict(json.loads(json.dumps(ledger.checkpoint_state(0))), master_generation=1)
+        ledger = resumed
+        assert ledger.entries["p0@0"].state == PENDING and ledger.entries["p0@0"].failures == 0
+    p = hand_out(ledger)
+    assert p.key not in keys and ledger.entries["p0@0"].attempts == 6
+    ledger.replica_died("r0")  # (by the old count, its 6th attempt: FAILED)
+    assert ledger.entries["p0@0"].state == PENDING and ledger.entries["p0@0"].failures == 1
+    ledger.report_produced("r1", [stored(hand_out(ledger, "r1"))])
+    assert ledger.entries["p0@0"].state == STORED
+
+
+def test_a_sample_lost_to_master_restarts_is_never_failed():
+    ledger = SampleLedger(prompts(1), max_attempts=3)
+    for generation in range(1, 6):
+        p = hand_out(ledger)
+        ledger.report_produced("r0", [stored(p)])
+        assert ledger.master_restarted(generation) == 1
+        assert ledger.entries["p0@0"].state == PENDING and ledger.entries["p0@0"].failures == 0
+    hand_out(ledger)
+    ledger.replica_died("r0")  # (by the old count, its 6th attempt: FAILED)
+    assert ledger.entries["p0@0"].state == PENDING and ledger.entries["p0@0"].failures == 1
+    ledger.report_produced("r1", [stored(hand_out(ledger, "r1"))])
+    assert ledger.entries["p0@0"].state == STORED and ledger.entries["p0@0"].attempts == 7
+
+
+@pytest.mark.parametrize(
+    "why", ["SampleMissing: mooncake get for key 'k' failed: -704 OBJECT_NOT_FOUND", None, "StoreUnavailable: down"]
+)
+def test_a_sample_missing_from_the_store_is_never_failed(why):
+    ledger = SampleLedger(prompts(1), max_attempts=3)
+    for step in range(1, 6):
+        uid = store_and_lease(ledger, step)
+        ledger.release_lease(step, {uid: why} if why else [uid])  # (a list: "gone from the store")
+        assert ledger.entries[uid].state == PENDING and ledger.entries[uid].failures == 0
+    assert len(ledger.entries["p0@0"].errors) == 5  # each kept, none counted
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["CorruptSampleError: the sample's MAC does not match", "token id 151700 >= the target's vocabulary (151643)"],
+)
+def test_a_corrupt_sample_fails_after_max_attempts(why):
+    ledger = SampleLedger(prompts(1), max_attempts=3, epochs=2)
+    for step in range(1, 4):
+        uid = store_and_lease(ledger, step)
+        assert uid == "p0@0" and ledger.entries[uid].state == LEASED
+        ledger.release_lease(step, {uid: why})
+    assert ledger.entries["p0@0"].state == FAILED and ledger.entries["p0@0"].failures == 3
+    assert ledger.entries["p0@1"].state == FAILED  # quarantined with it
+
+
+def test_a_put_given_up_on_a_full_store_is_never_failed_a_producer_error_is():
+    ledger = SampleLedger(prompts(2), max_attempts=3)
+    full = "hidden states not stored: k still missing after 600s (put given up: the store stayed full)"
+    for _ in range(5):
+        handed = {p.id: p for p in ledger.request_prompts("r0", 2)}
+        reports = [ProducedSample(handed["p0"].uid, error=full, blamed=False)]
+        if "p1" in handed:
+            reports.append(ProducedSample(handed["p1"].uid, error="put: INVALID_PARAMS"))
+        ledger.report_produced("r0", reports)
+    p0, p1 = ledger.entries["p0@0"], ledger.entries["p1@0"]
+    assert (p0.state, p0.attempts, p0.failures) == (PENDING, 5, 0)
+    assert (p1.state, p1.attempts, p1.failures) == (FAILED, 3, 3)
+
+
+def test_blamed_failures_of_every_kind_add_up_and_survive_a_resume():
+    # a replica death and a corrupt read before a checkpoint, a producer error after the resume:
+    # three failures its own, whatever else happened between (a lost sample, a master restart)
+    ledger = SampleLedger(prompts(1), max_attempts=3)
+    hand_out(ledger)
+    ledger.replica_died("r0", "killed")
+    uid = store_and_lease(ledger, 1)
+    ledger.release_lease(1, {uid: "CorruptSampleError: truncated"})
+    uid = store_and_lease(ledger, 1)
+    ledger.release_lease(1, [uid])  # gone from the store: not counted
+    ledger.report_produced("r0", [stored(hand_out(ledger))])
+    ledger.master_restarted(1)
+    assert ledger.entries[uid].failures == 2 and ledger.entries[uid].state == PENDING
+    state = json.loads(json.dumps(ledger.checkpoint_state(0)))
+    assert [d["failures"] for d in state["entries"]] == [2]
+    resumed = SampleLedger(prompts(1), max_attempts=3)
+    resumed.load_state_dict(state, master_generation=2)
+    assert resumed.entries[uid].failures == 2
+    p = hand_out(resumed)
+    resumed.report_produced("r0", [ProducedSample(p.uid, error="engine returned no hidden-state reference")])
+    assert resumed.entries[uid].state == FAILED
+
+
+def test_a_row_saved_before_failures_were_counted_derives_them_from_its_errors():
+    # an entry in flight at a checkpoint written before `failures`: each of its errors counted
+    # but the non-finite steps' (the old rule counted every attempt)
+    row = {
+        "prompt_id": "p0",
+        "epoch": 0,
+        "state": "leased",
+        "group": "g0",
+        "ref": None,
+        "tokens": 5,
+        "nbytes": 1,
+        "step": 4,
+        "rank": 0,
+        "crossed": False,
+        "released": False,
+        "attempts": 3,
+        "errors": ["replica g0-r0 died while generating it", "step 3: non-finite loss on rank 0", "step 2: boom"],
+        "trained_at_step": None,
+    }
+    state = {"epochs": 1, "committed_step": 3, "master_generation": 0, "totals": {}, "group_totals": {}}
+    ledger = SampleLedger(prompts(1), max_attempts=3)
+    ledger.load_state_dict({**state, "entries": [row]})
+    e = ledger.entries["p0@0"]
+    assert e.state == PENDING and e.attempts == 3 and e.failures == 2
+    ledger.report_produced("r0", [ProducedSample(hand_out(ledger).uid, error="boom")])
+    assert e.state == FAILED
+
+
+def test_read_failures_are_blamed_on_the_sample_only_when_it_is_corrupt_or_out_of_the_vocabulary():
+    from cluster.data.ledger_entry import saved
+    from cluster.data.ledger_rows import read_failure_blamed
+    from cluster.store import SampleMissing, StoreError, StoreUnavailable
+    from dspark.samples import CorruptSampleError
+
+    def why(e: Exception) -> str:  # as `TrainerRank.fetch` words it
+        return f"{type(e).__name__}: {e}"
+
+    assert read_failure_blamed(why(CorruptSampleError("MAC mismatch")))
+    assert read_failure_blamed("token id 9 >= the target's vocabulary (8)")
+    for e in (SampleMissing("get", -704, "k"), StoreError("get", -800, "k"), StoreUnavailable("down")):
+        assert not read_failure_blamed(why(e))
+    assert not read_failure_blamed("gone from the store")
+    # a checkpoint keeps a row once it was handed out or failed
+    assert not saved({"state": PENDING, "attempts": 0}) and saved({"state": PENDING, "attempts": 0, "failures": 1})

@@ -47,7 +47,7 @@ def saved(state: dict) -> dict:
     rows = [
         {k: v for k, v in d.items() if k not in LIVE_FIELDS}
         for d in state["entries"]
-        if d["state"] != "pending" or d["attempts"]
+        if d["state"] != "pending" or d["attempts"] or d["failures"]
     ]
     return {**state, "entries": rows}
 
@@ -82,8 +82,8 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
             replica = rng.choice(sorted(handed))
             # samples of 5-60 tokens, 0.2-1.7 kB (one float32 layer 4-6 wide)
             results = [
-                ProducedSample(p.uid, error="boom")
-                if rng.random() < 0.05
+                ProducedSample(p.uid, error="boom", blamed=rng.random() < 0.5)
+                if rng.random() < 0.1
                 else ProducedSample(p.uid, SampleRef(p.key, rng.randint(5, 60), (0,), rng.choice((4, 5, 6)), "float32"))
                 for p in handed.pop(replica)
             ]
@@ -98,7 +98,8 @@ def drive(seed: int, n: int = 40, epochs: int = 3, reuse: bool = False, calls: i
                     both("release", step)
                 if rng.random() < 0.1:
                     leased = [r.uid for rows in new.lease_step(step, ranks, 0) for r in rows]
-                    both("release_lease", step, rng.sample(leased, 1), "unreadable", rng.random() < 0.5)
+                    why = rng.choice(("SampleMissing: gone", "CorruptSampleError: bad", "non-finite loss"))
+                    both("release_lease", step, rng.sample(leased, 1), why, rng.random() < 0.5)
                     step -= 1
         elif op < 0.90 and step > committed:
             assert new.checkpoint_state(step) == saved(ref.checkpoint_state(step))

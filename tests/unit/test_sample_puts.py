@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from cluster.inference.sample_puts import STORED, SamplePuts
-from cluster.store import StoreFull
+from cluster.inference.sample_puts import STORED, SamplePuts, take_put_note, write_put_note
+from cluster.store import StoreError, StoreFull
 from dspark.samples import Sample
 
 STEP_S = 0.01  # the replica's flush steps the engine this often
@@ -191,3 +191,87 @@ def test_a_tp2_rank_zero_stores_the_requests_rows_once_there_is_room(free_at):
     # rows 0-5 of blocks 2 and 3: block 2's four slots, then block 3's first two
     expected = torch.cat([c._kv_cache[2].transpose(0, 1), c._kv_cache[3, :, :2].transpose(0, 1)])
     assert torch.equal(store.objects["k"].hidden_states, expected)
+
+
+# ---- why a put was given up, for the replica: the store's want of room is not the prompt's failure --
+class RefusedOutright(StoreFullUntil):
+    """Refuses every put with an error no wait makes pass (a value larger than the buffer)."""
+
+    def put_sample(self, key: str, sample: Sample) -> None:
+        self.tried_at.setdefault(key, []).append(self.clock.now)
+        raise StoreError("upsert", -600, key)
+
+
+@pytest.mark.parametrize("store_kind, capacity", [(StoreFullUntil, True), (RefusedOutright, False)])
+def test_a_put_given_up_leaves_a_note_saying_whether_the_store_wanted_room(tmp_path, store_kind, capacity):
+    clock = FakeClock()
+    store = store_kind(clock)
+    puts = SamplePuts(lambda: store, 60.0, 30.0, 1, clock=clock, sleep=clock.sleep, notes_dir=str(tmp_path))
+    put = puts.queue("run/g0/p0@0.1", sample())
+    step_until_settled(puts, [put], clock)
+    assert put.outcome != STORED and put.capacity is capacity
+    assert take_put_note(str(tmp_path), "run/g0/p0@0.1") == (capacity, put.outcome)
+    assert take_put_note(str(tmp_path), "run/g0/p0@0.1") is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_stored_put_leaves_no_note(tmp_path):
+    clock = FakeClock()
+    store = StoreFullUntil(clock, free_at=0.0)
+    puts = SamplePuts(lambda: store, 60.0, 30.0, 1, clock=clock, sleep=clock.sleep, notes_dir=str(tmp_path))
+    step_until_settled(puts, [puts.queue("k", sample())], clock)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_replicas_flush_blames_a_prompt_only_for_a_put_refused_outright(tmp_path):
+    """The flush's verdict per missing sample: given up for want of room (the note says so): not
+    the prompt's failure; refused outright, or no note at all (as before notes): its failure."""
+    from types import SimpleNamespace
+
+    from cluster.inference.replica import InferenceActor, Produced
+    from cluster.store import SampleRef
+
+    write_put_note(str(tmp_path), "run/g0/full@0.1", True, "put of run/g0/full@0.1 given up 590s after ...")
+    write_put_note(str(tmp_path), "run/g0/big@0.1", False, "put of run/g0/big@0.1 failed: -600 INVALID_PARAMS")
+    actor = InferenceActor.__new__(InferenceActor)
+    actor.settings = SimpleNamespace(backend="mooncake", flush_timeout_s=0.0, put_notes_dir=str(tmp_path))
+    actor.llm = SimpleNamespace(llm_engine=SimpleNamespace(step=lambda: None))
+    actor._store = SimpleNamespace(exists=lambda key: key == "run/g0/ok@0.1")
+    produced = [
+        Produced(p, SampleRef(f"run/g0/{p}@0.1", 4, (1,), 8, "bfloat16")) for p in ("full", "big", "lost", "ok")
+    ]
+    actor._flush(produced)
+    verdicts = {r.prompt_id: (r.ref is None, r.blamed) for r in produced}
+    assert verdicts == {"full": (True, False), "big": (True, True), "lost": (True, True), "ok": (False, True)}
+    assert "given up 590s" in produced[0].error and "INVALID_PARAMS" in produced[1].error
+    assert "still missing" in produced[2].error and produced[3].error is None
+    assert list(tmp_path.iterdir()) == []  # (each note read once)
+
+
+def test_a_replay_put_given_up_for_room_is_not_the_prompts_failure():
+    from types import SimpleNamespace
+
+    from cluster.data import PromptTask
+    from cluster.inference.replay import ReplayActor
+    from cluster.store import StoreUnavailable
+
+    def replay_refusing(error: Exception) -> ReplayActor:
+        actor = ReplayActor.__new__(ReplayActor)
+        actor.s = SimpleNamespace(crash_on=[], hang_on=[], samples_per_s=0.0)
+        actor.samples, actor.totals = [sample()], {"failed": 0}
+
+        def refuse(key, s):
+            raise error
+
+        actor._put = refuse
+        return actor
+
+    task = PromptTask("p0", "p0@0", "run/g0/p0@0.1", [])
+    for error, blamed in (
+        (StoreFull("upsert", -200, "k"), False),
+        (StoreError("upsert", -800, "k"), False),
+        (StoreUnavailable("the master does not answer"), False),
+        (StoreError("upsert", -600, "k"), True),
+        (ValueError("no such sample"), True),
+    ):
+        (report,) = replay_refusing(error).produce([task])
+        assert report.ref is None and report.blamed is blamed, error
