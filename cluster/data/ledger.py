@@ -103,6 +103,12 @@ from cluster.data.ledger_index import LedgerIndex, rebuilt
 from cluster.data.ledger_training import TrainingSide
 
 
+# Failures of a sample that are not its prompt's fault (found missing from the store when read, a
+# put given up for want of room) after which it is given up on all the same: a bound on retries,
+# far above the once or twice scattered faults cost one sample over a run of days.
+UNBLAMED_LOSSES = 20
+
+
 class SampleLedger(GenerationSide, TrainingSide):
     """The ledger's state and indexes, its plan, accounting and persistence; what producers
     call is in `GenerationSide` (cluster/data/ledger_generation.py), what the trainer calls in
@@ -307,10 +313,12 @@ class SampleLedger(GenerationSide, TrainingSide):
         `max_attempts` failures it is to blame for (`blamed`): a prompt that fails, kills its
         replica, or whose sample is corrupt every time is given up on by name instead of being
         retried forever; one whose sample was lost or could not be put for lack of room is
-        retried however often that happens (the error is kept all the same)."""
+        retried while such losses stay below `UNBLAMED_LOSSES` (the error is kept all the same):
+        a run of days loses samples to master restarts and full stores now and then, but a
+        sample lost at every try (a store that refuses it for good) is given up on by name."""
         e.errors.append(error)
         failures = e.failures + blamed
-        if failures >= self.max_attempts:
+        if failures >= self.max_attempts or len(e.errors) - failures >= UNBLAMED_LOSSES:
             self._fail(e, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False, failures=failures)
         else:
             self._set(

@@ -227,10 +227,11 @@ class SampleLedger(GenerationSide, TrainingSide):
         """Back to pending for another attempt, or FAILED (final, with every error) once it has
         had `max_attempts`: a prompt that fails, kills its replica, or whose sample cannot be
         read every time is given up on by name instead of being retried forever."""
-        # (changed on purpose with the ledger's: only blamed failures count, not hand-outs)
+        # (changed on purpose with the ledger's: only blamed failures count, not hand-outs, and
+        # unblamed losses up to the ledger's UNBLAMED_LOSSES)
         e.errors.append(error)
         e.failures += blamed
-        if e.failures >= self.max_attempts:
+        if e.failures >= self.max_attempts or len(e.errors) - e.failures >= 20:
             self._fail(e, replica=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)
         else:
             self._set(e, PENDING, replica=None, group=None, ref=None, step=None, rank=None, nbytes=0, crossed=False)

@@ -589,6 +589,20 @@ def test_a_sample_missing_from_the_store_is_never_failed(why):
     assert len(ledger.entries["p0@0"].errors) == 5  # each kept, none counted
 
 
+def test_a_sample_lost_at_every_try_is_given_up_on_after_the_unblamed_bound():
+    # however innocent, a loss at every try is not retried for ever (a store that refuses it for good)
+    from cluster.data.ledger import UNBLAMED_LOSSES
+
+    ledger = SampleLedger(prompts(1), max_attempts=3)
+    for step in range(1, UNBLAMED_LOSSES + 1):
+        assert ledger.entries["p0@0"].state != FAILED, step
+        uid = store_and_lease(ledger, step)
+        ledger.release_lease(step, {uid: f"SampleMissing: lost at try {step}"})
+    e = ledger.entries["p0@0"]
+    assert (e.state, e.failures, len(e.errors)) == (FAILED, 0, UNBLAMED_LOSSES)
+    assert e.errors[-1] == f"step {UNBLAMED_LOSSES}: SampleMissing: lost at try {UNBLAMED_LOSSES}"
+
+
 @pytest.mark.parametrize(
     "why",
     ["CorruptSampleError: the sample's MAC does not match", "token id 151700 >= the target's vocabulary (151643)"],
