@@ -148,11 +148,14 @@ class Soak:
             **self.kw,
         )
         if not self.a.ray:
-            return SampleLedger(self.prompts, clock=self.clock, **kw)
-        import ray
+            ledger = SampleLedger(self.prompts, clock=self.clock, **kw)
+        else:
+            import ray
 
-        self.actor = ray.remote(num_cpus=0)(SimLedger).remote(self.prompts, **kw)
-        return LedgerClient(self.actor)
+            self.actor = ray.remote(num_cpus=0)(SimLedger).remote(self.prompts, **kw)
+            ledger = LedgerClient(self.actor)
+        ledger.settle()  # as the job does with its ledger actor
+        return ledger
 
     def sync_clock(self) -> None:
         if self.actor is not None:
@@ -398,6 +401,7 @@ class Soak:
         self.sync_clock()
         if state is not None:
             self.ledger.load_state_dict(state, 0)
+            self.ledger.settle()
         self.step, rows = self.last_checkpoint()
         self.record.rollback_to(rows)
         self.recovery.setdefault("resubmit (new ledger + load_state_dict + rollback_to)", []).append(self.timer() - t0)

@@ -1,11 +1,11 @@
 """The data room: what is trained, exactly once.
 
-Owns the job's prompts and their train / held-out split (`prompts`), the exactly-once ledger
-of every prompt x epoch (`ledger`, a pure state machine the job runs as a Ray actor: its
-entries in `ledger_entry`, what producers call in `ledger_generation`, what the training loop
-calls in `ledger_training`, the indexes that keep each call cheap in `ledger_index`; its typed client `ledger_client`, its counts `ledger_counts`,
-the rows that travel to and from it in `ledger_rows`) and the training record that proves it at the
-end (`record`). It stands on the store room (a row carries a `SampleRef`) and nothing above it:
+Owns the job's prompts and their train / held-out split (`prompts`), the exactly-once ledger of every prompt x epoch
+(`ledger`, a pure state machine the job runs as a Ray actor: its entries in `ledger_entry`, what producers call in
+`ledger_generation`, what the training loop calls in `ledger_training`, the indexes that keep each call cheap in
+`ledger_index`; its typed client `ledger_client`, its counts `ledger_counts`, the rows that travel to and from it in
+`ledger_rows`) and the training record that proves it at the end (`record`). It stands on the store room (a row carries
+a `SampleRef`) and nothing above it:
 the producers, the replay one included, are the inference room's.
 """
 

@@ -27,7 +27,7 @@ class LedgerClient:
     handle: object  # the ledger's Ray actor handle
     timeout_s: float = DEFAULT_TIMEOUT_S
 
-    def with_timeout(self, timeout_s: float) -> "LedgerClient":
+    def with_timeout(self, timeout_s: float) -> LedgerClient:
         return replace(self, timeout_s=timeout_s)
 
     def _get(self, ref):
@@ -101,6 +101,9 @@ class LedgerClient:
 
     def load_state_dict(self, state: dict, master_generation: int | None = None) -> list[str]:
         return self._get(self.handle.load_state_dict.remote(state, master_generation))
+
+    def settle(self) -> None:
+        return self._get(self.handle.settle.remote())
 
     # ---- the plan ---------------------------------------------------------------------------
     def remaining_per_epoch(self) -> list[int]:

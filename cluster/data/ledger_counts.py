@@ -45,8 +45,14 @@ class LedgerCounts(GroupCounts):
 
     def per_state(self) -> dict[str, int]:
         """Samples per state, by the states' names (as the metrics are named)."""
-        return {"pending": self.pending, "generating": self.generating, "stored": self.stored, "leased": self.leased,
-                "trained": self.trained, "failed": self.failed}
+        return {
+            "pending": self.pending,
+            "generating": self.generating,
+            "stored": self.stored,
+            "leased": self.leased,
+            "trained": self.trained,
+            "failed": self.failed,
+        }
 
     def group(self, name: str) -> GroupCounts:
         """The group's counts; zeros for a group the ledger has not heard of yet."""

@@ -97,9 +97,9 @@ class GenerationSide:
         self._update_pause()
 
     def replica_died(self, replica: str, cause: str = "") -> int:
-        """Its prompts go back to pending; each death counts as a failure of every prompt it
-        was generating (any of them may have killed it), and they are retried one per request: a prompt that kills every replica
-        that takes it ends FAILED alone, the others of its batch go through."""
+        """Its prompts go back to pending; each death counts as a failure of every prompt it was generating (any of them
+        may have killed it), and they are retried one per request: a prompt that kills every replica that takes it ends
+        FAILED alone, the others of its batch go through."""
         lost = [e for e in self._in(GENERATING) if e.replica == replica]
         for e in lost:
             self._abandoned.append(self.key_for(e, e.group))  # its put may have landed before the death

@@ -244,11 +244,10 @@ class TrainingSide:
         regenerate: bool = True,
     ) -> None:
         """Step `step` cannot train: the `missing` samples (a list, or uid -> why) are gone or
-        unusable and go back to pending to be regenerated: a failure of the sample where it is
-        to blame (`read_failure_blamed`: corrupt, or out of the vocabulary; FAILED after
-        `max_attempts` of them), none where the store lost it; with `regenerate=False` (their data is fine, the step was not: a
-        non-finite loss) they are leased again as they are, FAILED after `max_attempts` such
-        steps. The rest go back to stored, to be leased again."""
+        unusable and go back to pending to be regenerated: a failure of the sample where it is to blame
+        (`read_failure_blamed`: corrupt, or out of the vocabulary; FAILED after `max_attempts` of them), none where the
+        store lost it; with `regenerate=False` (their data is fine, the step was not: a non-finite loss) they are leased
+        again as they are, FAILED after `max_attempts` such steps. The rest go back to stored, to be leased again."""
         why = missing if isinstance(missing, dict) else dict.fromkeys(missing, reason)
         for e in self._leased_at(step):
             if e.uid in why and regenerate:

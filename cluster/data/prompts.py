@@ -23,19 +23,27 @@ def load_prompts(cfg: JobConfig, conversations: list | None = None):
     train, held = split(convs, cfg.data.heldout_fraction, cfg.data.split_seed)
     unknown = sorted(set(cfg.data.category_caps) - {c.category for c in train})
     if unknown:  # a misspelt category would cap nothing, silently
-        raise ConfigError(f"config error at `data.category_caps`: no training prompt of data.prompts has "
-                          f"category {', '.join(map(repr, unknown))} (they have "
-                          f"{', '.join(sorted({str(c.category) for c in train}))})")
+        raise ConfigError(
+            f"config error at `data.category_caps`: no training prompt of data.prompts has "
+            f"category {', '.join(map(repr, unknown))} (they have "
+            f"{', '.join(sorted({str(c.category) for c in train}))})"
+        )
     if cfg.data.max_prompts_per_category or cfg.data.category_caps:
-        train = cap_per_category(train, cfg.data.max_prompts_per_category, cfg.data.split_seed,
-                                 cfg.data.category_caps)
+        train = cap_per_category(train, cfg.data.max_prompts_per_category, cfg.data.split_seed, cfg.data.category_caps)
     if cfg.data.max_prompts:
         train = train[: cfg.data.max_prompts]
     if not train:
-        raise ConfigError(f"config error at `data.prompts`: no training prompts in {list(cfg.data.prompts)} "
-                          f"({len(convs)} read, {len(held)} held out): nothing to train on")
-    log.info("prompts: %d read from %s, %d to train on, %d held out", len(convs), list(cfg.data.prompts), len(train),
-             len(held))
+        raise ConfigError(
+            f"config error at `data.prompts`: no training prompts in {list(cfg.data.prompts)} "
+            f"({len(convs)} read, {len(held)} held out): nothing to train on"
+        )
+    log.info(
+        "prompts: %d read from %s, %d to train on, %d held out",
+        len(convs),
+        list(cfg.data.prompts),
+        len(train),
+        len(held),
+    )
     return train, held
 
 
@@ -55,6 +63,7 @@ def calibration_split(heldout: list, eval_limit: int | None, n: int) -> tuple[li
 def check_eval_sets(cfg: JobConfig, train) -> None:
     """Every `data.eval_sets` file reads, has prompts, and shares none with the training prompts
     (a set trained on would measure memory, not generalisation)."""
+
     def key(c) -> str:
         return json.dumps(c.prompt_messages, sort_keys=True)
 
@@ -64,6 +73,7 @@ def check_eval_sets(cfg: JobConfig, train) -> None:
         convs = read_checked(path, where)
         both = next((c for c in convs if key(c) in trained), None)
         if both is not None:
-            raise ConfigError(f"config error at `{where}`: prompt {both.id} of {path} is also the "
-                              f"training prompt {trained[key(both)]}")
-
+            raise ConfigError(
+                f"config error at `{where}`: prompt {both.id} of {path} is also the "
+                f"training prompt {trained[key(both)]}"
+            )

@@ -42,8 +42,17 @@ class TrainingRecord:
         the sample was generated) rank `rank` of group `group` trained at `step`."""
         for t in trained:
             prompt, _, epoch = t.uid.rpartition("@")
-            self.pending.append({"uid": t.uid, "prompt": prompt, "epoch": int(epoch), "step": step, "rank": rank,
-                                 "group": group, "source": t.group})
+            self.pending.append(
+                {
+                    "uid": t.uid,
+                    "prompt": prompt,
+                    "epoch": int(epoch),
+                    "step": step,
+                    "rank": rank,
+                    "group": group,
+                    "source": t.group,
+                }
+            )
 
     def commit(self, step: int) -> int:
         """Append the rows of steps <= `step` (durably); returns the committed line count."""
@@ -116,7 +125,9 @@ class TrainingRecord:
         if unknown:
             problems.append(f"{len(unknown)} samples recorded but not committed, e.g. {unknown[:5]}")
         if complete and outcome["unfinished"]:
-            problems.append(f"{len(outcome['unfinished'])} samples neither trained nor failed, e.g. {outcome['unfinished'][:5]}")
+            problems.append(
+                f"{len(outcome['unfinished'])} samples neither trained nor failed, e.g. {outcome['unfinished'][:5]}"
+            )
         if problems:
             raise ExactlyOnceViolation(f"exactly-once violated ({self.path}): " + "; ".join(problems))
         return {

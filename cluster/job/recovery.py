@@ -77,6 +77,7 @@ def restore_data_state(
         record.reset()
         return None
     stale = ledger.load_state_dict(load_ledger_state(resume), master_generation)
+    ledger.settle()
     gang.remove_keys(stale)
     record.rollback_to(checkpoints.meta(resume)["record_rows"])
     events.add(f"resumed from {resume}")

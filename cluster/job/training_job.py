@@ -215,6 +215,7 @@ class TrainingJob:
                 else [],
             )
         )
+        self.ledger.settle()  # its entries out of the cyclic collector's way (SampleLedger.settle)
         stop_check("start-up (the trainer world)")
         self.gang = TrainerGang(
             trainer_settings(cfg, inputs, self.services.store_config(), self.lr_horizon),
