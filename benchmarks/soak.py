@@ -86,7 +86,6 @@ class Replica:
     tasks: list = field(default_factory=list)
     done_at: float = 0.0
     hung: bool = False
-    big: int = 0  # batches still to report with long answers (a full-store fault)
 
 
 class Soak:
@@ -116,6 +115,8 @@ class Soak:
             self.chaos.record(0, 0, kind, name)
         self.resubmit_at = sorted(a.resubmit_at)
         self.restarts, self.hangs, self.full_watch = Counter(), Counter(), {}
+        self.big_reported: Counter = Counter()  # long answers a full-store group reported
+        self.big_batches: dict[str, int] = {}  # a group's batches still to report with long answers (a full store)
         self.step = self.committed_rows = self.changed = 0
         self.ckpts: list[Path] = []
         self.chain = LedgerChain()  # the Committer's
@@ -205,13 +206,22 @@ class Soak:
                 if poison:  # it kills every replica that generates it
                     self.replica_dies(rep, "poison_prompt", f"poison prompt {poison[0]} crashed the engine")
                     continue
-                wide = HIDDEN * (64 if rep.big else 1)  # 64×: one batch of 8 passes a 200-sample watermark
+                big = self.big_batches.get(rep.group, 0)
+                wide = HIDDEN * (64 if big else 1)  # 64×: one batch of 8 passes a 200-sample watermark
                 results = [ProducedSample(t.uid, SampleRef(t.key, tokens_of(t.id), LAYERS, wide)) for t in rep.tasks]
                 t0 = self.timer()
                 self.ledger.report_produced(rep.rid, results)
                 self.produce_costs.append((self.done, self.timer() - t0))
+                if big:
+                    self.big_reported[rep.group] += len(results)
+                if big and self.full_watch.get(rep.group) is False:
+                    # seen here too: the group's ranks may lease it back under its low watermark
+                    # within this tick, before the supervisor's look (not counted in any cost)
+                    self.full_watch[rep.group] = self.ledger.counts().groups[rep.group].paused
                 self.changed += len(results)
-                rep.tasks, rep.big = [], max(rep.big - 1, 0)
+                rep.tasks = []
+                if big:
+                    self.big_batches[rep.group] = big - 1
             if not rep.tasks and not rep.hung:
                 t0 = self.timer()
                 rep.tasks = self.ledger.request_prompts(rep.rid, a.replica_batch, rep.group)
@@ -235,11 +245,14 @@ class Soak:
             self.hangs["injected"] += 1
             self.chaos.record(self.clock.t, self.step, kind, rep.rid)
         elif kind == "full_store":  # a group whose replicas are generating: their next batches run long
-            g = self.rng.choice(sorted({r.group for r in busy})) if busy else None
-            if g is None:
+            # a group not hit before: each fault's pause is then its own to be seen
+            fresh = sorted({r.group for r in busy} - set(self.full_watch))
+            if not fresh:
                 return False
-            for rep in live:
-                rep.big = 2 if rep.group == g else rep.big
+            g = self.rng.choice(fresh)
+            # the group's, not its replicas': a replica that dies or is replaced (a resubmit)
+            # leaves the fault to the one that takes its place
+            self.big_batches[g] = 2 * sum(r.group == g for r in live)
             self.full_watch[g] = False
             self.chaos.record(self.clock.t, self.step, kind, g)
         else:  # master_restart, rank_death: in the step (between its lease and its read)
@@ -471,6 +484,10 @@ class Soak:
             "hangs": dict(self.hangs),
             "failed_causes": {u: (errs or ["?"])[-1] for u, errs in outcome["failed"].items()},
             "full_store": dict(self.full_watch),
+            # how many long answers each full-store group reported: late in a run (reused answers,
+            # only regenerations left) a group may get too few prompts to reach its watermark
+            "full_store_answers": dict(self.big_reported),
+            "watermark_samples": self.a.watermark_samples,
             "not_injected": dict(Counter(self.waiting)),
             "quarantined": quarantined(outcome["failed"]),
             "poison_prompts": sorted(self.poison_prompts),

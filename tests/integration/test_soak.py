@@ -110,4 +110,8 @@ def test_restarts_by_cause_equal_the_injected_faults(report):
     assert restarts.get("trainer: poison_sample", 0) == sum(kills.values())
     assert events["trainer_restarted"] == restarts.get("trainer: rank_death", 0) + sum(kills.values())
     # a full store paused the group it was injected into
-    assert report["full_store"] and all(report["full_store"].values()), report["full_store"]
+    # (one whose group reported enough long answers to pass its watermark: 64x wide each; late in
+    # the run, with answers reused, a group may get only a regeneration or two)
+    full, answers = report["full_store"], report["full_store_answers"]
+    enough = {g for g in full if answers.get(g, 0) * 64 >= report["watermark_samples"]}
+    assert enough and all(full[g] for g in enough), (full, answers)
