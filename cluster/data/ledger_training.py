@@ -59,9 +59,13 @@ class TrainingSide:
         group), assembled as the module docstring says; None when no rank gets anything.
         Re-asking for a step already leased returns the same lease."""
         held = self._leased_at(step) or self._assemble(step, rank_groups, batch_tokens)
+        return self._per_rank(held, len(rank_groups))
+
+    def _per_rank(self, held: list[Entry], ranks: int) -> list[list[LeasedSample]] | None:
+        """A step's leased entries as one list of rows per rank, in ledger order; None if none."""
         if not held:
             return None
-        out: list[list[LeasedSample]] = [[] for _ in rank_groups]
+        out: list[list[LeasedSample]] = [[] for _ in range(ranks)]
         for e in sorted(held, key=lambda x: self.position[x.uid]):
             out[e.rank].append(self._row(e))
         return out
@@ -287,12 +291,7 @@ class TrainingSide:
                 if nxt is not None:  # reuse, as a step's assembly hands it on
                     self._set(nxt, STORED, ref=e.ref, tokens=e.tokens, nbytes=e.nbytes, group=e.group)
                 held.append(e)
-        if not held:
-            return None
-        out: list[list[LeasedSample]] = [[] for _ in rank_groups]
-        for e in sorted(held, key=lambda x: self.position[x.uid]):
-            out[e.rank].append(self._row(e))
-        return out
+        return self._per_rank(held, len(rank_groups))
 
     def quarantine_sample(self, uid: str, cause: str) -> list[str]:
         """A sample the trainer world fails on alone: FAILED (its error `POISON` + `cause`), and
