@@ -68,3 +68,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config error at `{where}`: {first}") from None
     validate(cfg)
     return resolve_for_machine(cfg)
+
+
+def explicit_keys(path: str | Path | None, overrides: list[str] | None, embedded: str | Path) -> frozenset[str]:
+    """The dotted keys (`data.max_prompts_per_category`) the user set: every `key=value` override
+    (a mapping's value, each of its leaves) and every leaf of a config file other than
+    `embedded`, the project's own default (`configs/local.yaml`), whose values are the baseline
+    the box plan may change. What a user wrote stands (`cluster.box.apply`)."""
+    keys: set[str] = set()
+    if path is not None and Path(path).resolve() != Path(embedded).resolve():
+        keys |= _leaves(OmegaConf.to_container(read_yaml(path)), "")
+    for item in overrides or []:
+        key, _, raw = item.partition("=")
+        value = yaml.safe_load(raw) if raw else raw
+        keys |= _leaves(value, key) if isinstance(value, dict) and value else {key}
+    return frozenset(keys)
+
+
+def _leaves(value, prefix: str) -> set[str]:
+    if not isinstance(value, dict) or not value:
+        return {prefix}
+    return set().union(*(_leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in value.items()))

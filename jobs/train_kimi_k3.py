@@ -33,11 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.config_load import load_config  # noqa: E402
+from cluster.config_load import explicit_keys, load_config  # noqa: E402
 from cluster.errors import ConfigError  # noqa: E402
 
 SIMULATED_NODES_TIMEOUT_S = 180
 JOB_ARGS_ENV = "DSPARK_JOB_ARGS"
+# The project's own default: the box plan may change its values, never those of a file or an override
+# the user gives (`cluster.config_load.explicit_keys`)
+EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 # Seconds a graceful stop needs at least (the step in progress, a checkpoint, result.json) on the
 # local job; a cluster's checkpoint of a large drafter wants more (the manifest gives 1800).
 MIN_STOP_WAIT_S = 60
@@ -139,7 +142,7 @@ def plan(cfg, simulate: tuple[int, int] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "local.yaml"))
+    ap.add_argument("--config", default=str(EMBEDDED_CONFIG))
     ap.add_argument("--plan", action="store_true", help="place the topology, print it, exit")
     ap.add_argument("--simulate", default=None, metavar="NxG", help="with --plan: a simulated cluster")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
@@ -205,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dspark.job").info("arguments (with $%s): %s", JOB_ARGS_ENV, args)
     started = time.monotonic()  # the time budget counts from here: the box's probe is part of it
     try:
-        box = plan_box(cfg, conversations, started)  # box_plan: what this machine can train in the budget
+        # box_plan: what this machine can train in the budget; never what the user set
+        explicit = explicit_keys(args.config, args.overrides, EMBEDDED_CONFIG)
+        box = plan_box(cfg, conversations, started, explicit=explicit)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

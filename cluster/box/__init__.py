@@ -5,8 +5,9 @@ Owns the pure plan (`plan`: prompts per category, answer length and the core spl
 machine's paces; on one box the inference/training ratio is a split of its cores), the probe
 of this machine's paces (`machine_paces`), the paces kept for later runs on it (`kept_paces`)
 and the plan applied to the job's config (`apply`: `plan_box`, which the driver calls before
-the job starts). It reads the config, the prompts (`cluster.data`) and the target
-(`cluster.target`); only the job's driver uses it.
+the job starts), and its second look once the job's replica has answered (`revision`).
+It reads the config, the prompts (`cluster.data`) and the target (`cluster.target`); the job's
+driver plans, the job's loop takes the second look (`cluster.job.plan_revision`).
 """
 
 from cluster.box.apply import box_unfit, plan_box
@@ -21,12 +22,14 @@ from cluster.box.plan import (
     fit_evaluation,
     startup_seconds,
 )
+from cluster.box.revision import Revision, prompts_beyond, revise_prompts
 
 __all__ = [
     "BoxPlan",
     "Choices",
     "EvaluationFit",
     "Paces",
+    "Revision",
     "Workload",
     "box_unfit",
     "choose_plan",
@@ -34,5 +37,7 @@ __all__ = [
     "plan_box",
     "probe_paces",
     "probe_trainer",
+    "prompts_beyond",
+    "revise_prompts",
     "startup_seconds",
 ]

@@ -16,7 +16,7 @@ import logging
 import time
 from collections import Counter
 
-from cluster.box.plan import Choices, Workload, choose_plan, fit_evaluation, startup_seconds
+from cluster.box.plan import Choices, EvaluationFit, Workload, choose_plan, fit_evaluation, startup_seconds
 from cluster.config import JobConfig
 
 log = logging.getLogger("dspark.job")
@@ -79,9 +79,44 @@ def probe_or_kept(cfg: JobConfig, cpu, target_dir, prompt_tokens: int, answer_to
     return paces, probe_s, None
 
 
-def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=time.monotonic) -> dict | None:
+def planned_values(cfg: JobConfig) -> dict:
+    """What the plan may set, by the keys the user writes (the end's evaluation fit aside)."""
+    return {
+        "data.max_prompts_per_category": cfg.data.max_prompts_per_category,
+        "sampling.max_tokens": cfg.sampling.max_tokens,
+        "inference.cpu_threads": cfg.inference.cpu_threads,
+        "trainer.torch_threads": cfg.trainer.torch_threads,
+        "trainer.torch_threads_when_idle": cfg.trainer.torch_threads_when_idle,
+    }
+
+
+def plan_choices(cfg: JobConfig, per_category: Counter, explicit: frozenset[str]) -> Choices:
+    """The choices the plan weighs: the config's box_plan lists, except where the user set the
+    value (`explicit`): then that value alone. The config's own prompts and answers are the
+    baseline the plan departs from only where its forecast is far off (`plan.FORECAST_ERROR`)."""
+    box, cap, answer = cfg.box_plan, cfg.data.max_prompts_per_category, cfg.sampling.max_tokens
+    cap_set, answer_set = "data.max_prompts_per_category" in explicit, "sampling.max_tokens" in explicit
+    replica_set = "inference.cpu_threads" in explicit and cfg.inference.cpu_threads
+    return Choices(
+        (cap or max(per_category.values()),) if cap_set else tuple(box.prompts_per_category),
+        (answer,) if answer_set else tuple(box.answer_tokens),
+        box.target_epochs,
+        baseline=(cap or max(per_category.values()), answer),
+        replica_threads=(cfg.inference.cpu_threads,) if replica_set else (),
+        trainer_threads=cfg.trainer.torch_threads if "trainer.torch_threads" in explicit else None,
+    )
+
+
+def plan_box(
+    cfg: JobConfig,
+    conversations: list | None,
+    started: float,
+    clock=time.monotonic,
+    explicit: frozenset[str] = frozenset(),
+) -> dict | None:
     """The plan for this box, applied to `cfg` (None: `box_plan` is off). `started`: the job's
-    start on `clock`, from which the time budget counts."""
+    start on `clock`, from which the time budget counts; `explicit`: the keys the user set
+    (`config_load.explicit_keys`), which it never changes."""
     if not cfg.box_plan.enabled:
         return None
     unfit = box_unfit(cfg)
@@ -118,24 +153,48 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
     startup = startup_seconds(box.startup_s, paces.gen(cores))
     window = cfg.trainer.time_budget_s - startup - (clock() - started)
     work = Workload(dict(per_category), mean_prompt, cfg.trainer.batch_tokens, window, cores, cfg.data.epochs)
-    plan = choose_plan(
-        work, paces, Choices(tuple(box.prompts_per_category), tuple(box.answer_tokens), box.target_epochs)
-    )
-    before = {
-        "data.max_prompts_per_category": cfg.data.max_prompts_per_category,
-        "sampling.max_tokens": cfg.sampling.max_tokens,
-        "inference.cpu_threads": cfg.inference.cpu_threads,
-        "trainer.torch_threads": cfg.trainer.torch_threads,
+    plan = choose_plan(work, paces, plan_choices(cfg, per_category, explicit))
+    before = planned_values(cfg)
+    user_set = {key: value for key, value in before.items() if key in explicit}
+    user_set |= {
+        key: value
+        for key, value in (
+            ("data.eval_limit", cfg.data.eval_limit),
+            ("data.long_context_prompts", cfg.data.long_context_prompts),
+            ("data.eval_temperature", cfg.data.eval_temperature),
+        )
+        if key in explicit
     }
-    cfg.data.max_prompts_per_category = plan.prompts_per_category
-    cfg.sampling.max_tokens = plan.answer_tokens
-    cfg.inference.cpu_threads = plan.replica_threads
-    cfg.trainer.torch_threads = plan.trainer_threads
-    cfg.trainer.torch_threads_when_idle = cores
+    if "data.max_prompts_per_category" not in explicit:
+        cfg.data.max_prompts_per_category = plan.prompts_per_category
+    if "sampling.max_tokens" not in explicit:
+        cfg.sampling.max_tokens = plan.answer_tokens
+    if "inference.cpu_threads" not in explicit:
+        cfg.inference.cpu_threads = plan.replica_threads
+    if "trainer.torch_threads" not in explicit:
+        cfg.trainer.torch_threads = plan.trainer_threads
+    if "trainer.torch_threads_when_idle" not in explicit:
+        cfg.trainer.torch_threads_when_idle = cores
     evaluation = None
     if box.end_s and cfg.data.eval_limit:
         sampled, long_context = cfg.data.eval_temperature > 0, bool(cfg.data.long_context_prompts)
-        fit = fit_evaluation(paces.gen(cores), box.end_s, cfg.data.eval_limit, sampled, long_context)
+        # the user's own evaluation settings bound the fit: a limit they set is judged whole, a
+        # set they asked for is kept
+        floor = cfg.data.eval_limit if "data.eval_limit" in explicit else None
+        fit = fit_evaluation(
+            paces.gen(cores),
+            box.end_s,
+            cfg.data.eval_limit,
+            sampled,
+            long_context,
+            **({"min_limit": floor, "extras_min_limit": floor} if floor else {}),
+        )
+        fit = EvaluationFit(
+            fit.eval_limit,
+            fit.sampled or (sampled and "data.eval_temperature" in explicit),
+            fit.long_context or (long_context and "data.long_context_prompts" in explicit),
+            fit.expected_s,
+        )
         evaluation = {
             "eval_limit": fit.eval_limit,
             "sampled": fit.sampled,
@@ -185,6 +244,10 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
         cores,
         "; ".join(plan.reasons),
     )
+    if user_set:
+        log.info(
+            "box_plan: kept as you set them: %s", ", ".join(f"{key}={value}" for key, value in sorted(user_set.items()))
+        )
     if not plan.worth_serving:
         log.warning(
             "this box cannot train a drafter worth serving in trainer.time_budget_s=%g: %s",
@@ -211,5 +274,7 @@ def plan_box(cfg: JobConfig, conversations: list | None, started: float, clock=t
             "quota_cores": cpu.quota,
         },
         "evaluation": evaluation,
-        "replaced": before,
+        # (the evaluation's keys are there only where its fit changed them)
+        "replaced": {key: value for key, value in before.items() if planned_values(cfg).get(key, cfg) != value},
+        "kept": user_set,
     }

@@ -93,6 +93,14 @@ class Choices:
     # the drafter is flagged not worth serving
     target_epochs: float = 6.0
     min_epochs: float = 1.0
+    # The config's own (prompts per category, answer tokens): where given, the plan departs from
+    # them only where its forecast is off by more than its own error (`FORECAST_ERROR`).
+    baseline: tuple[int, int] | None = None
+    # The replica's thread counts to weigh (empty: every split of the cores) and the trainer's
+    # while it generates (None: the cores the replica leaves, at least one): one value each
+    # where the user set it.
+    replica_threads: tuple[int, ...] = ()
+    trainer_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,14 @@ class BoxPlan:
 # before the trainer's first step to 206-240 over the whole generation, where this says 0.67.
 TEAM_LOSS = 0.65
 
+# How far the forecast of a run (a probe of seconds turned into minutes by the model above) has
+# been from the run: 1.8x too many epochs on a 2-core Xeon with AMX (7.2 expected, 4.0 trained:
+# steps 0.6-0.7 s, not the probe's 0.40-0.54), 1.8x too few on a 2-core Emerald Rapids Xeon
+# (11.0 expected, all 20 trained). A plan that trusted it inside that error chose 48 a category
+# on the first (held-out tau 1.297 against the config's 24: 1.420) and 12 on the second. So the
+# config's choice stands unless the forecast is off by more than this.
+FORECAST_ERROR = 2.0
+
 
 def shares(cores: int, replica_threads: int, trainer_threads: int, busy: float) -> tuple[float, float]:
     """(the replica's, the trainer's) share of its own pace while both run; `busy`: the share of
@@ -134,10 +150,14 @@ def shares(cores: int, replica_threads: int, trainer_threads: int, busy: float) 
     return 1.0 - TEAM_LOSS * busy, 1.0
 
 
-def expected(work: Workload, paces: Paces, cap: int, answer: int, replica_threads: int) -> tuple[int, float, float]:
-    """(unique prompts, generation seconds, trained samples) of one choice, by the module's model."""
+def expected(
+    work: Workload, paces: Paces, cap: int, answer: int, replica_threads: int, trainer_threads: int | None = None
+) -> tuple[int, float, float]:
+    """(unique prompts, generation seconds, trained samples) of one choice, by the module's model
+    (`trainer_threads`: while the replica generates; None: the cores it leaves, at least one)."""
     prompts = sum(min(cap, n) for n in work.prompts_per_category.values())
-    r, t, cores = replica_threads, max(work.cores - replica_threads, 1), work.cores
+    r, cores = replica_threads, work.cores
+    t = trainer_threads or max(work.cores - replica_threads, 1)
     per_step = max(work.batch_tokens / (work.prompt_tokens + answer), 1.0)
     # the trainer takes its threads only while it steps: the share of its time it does, at the
     # pace answers would arrive without it
@@ -160,35 +180,68 @@ def expected(work: Workload, paces: Paces, cap: int, answer: int, replica_thread
 
 
 def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> BoxPlan:
-    """Among the choices that train `target_epochs`: the longest answers (what the sweep
-    measured; shorter ones are a slow box's remedy), then the most prompts, then the most
-    epochs. Where none reaches it: the most epochs, then the shortest generation. The reasons say
-    which and why, with the figures."""
-    splits = range(1, work.cores + 1)
-    options = []
-    for cap in sorted(set(choices.prompts_per_category)):
-        for answer in sorted(set(choices.answer_tokens)):
-            # the split that trains the most samples for this choice
-            best = max(((expected(work, paces, cap, answer, r), r) for r in splits), key=lambda x: x[0][2])
-            (prompts, generation_s, trained), r = best
-            options.append((cap, answer, r, prompts, generation_s, trained, trained / max(prompts, 1)))
-    reaching = [o for o in options if o[6] >= choices.target_epochs]
-    if reaching:
-        cap, answer, r, prompts, generation_s, trained, epochs = max(reaching, key=lambda o: (o[1], o[3], o[6]))
-        why = (
-            f"the longest answers, and with them the most prompts, that still train {choices.target_epochs:g} "
-            f"epochs in {work.train_window_s:.0f} s (more prompts pay only once each is seen that often)"
+    """With a baseline (the config's own prompts and answers), the plan keeps it unless its
+    forecast is off by more than `FORECAST_ERROR`: more prompts (at the baseline's answers) only
+    where the forecast trains `target_epochs` that many times over; fewer prompts or shorter
+    answers only where it says the baseline trains less than `target_epochs` by that factor.
+    Without one, or on a box that slow, among the choices (not above the baseline): those that
+    train `target_epochs`: the longest answers (what the sweep measured; shorter ones are a slow
+    box's remedy), then the most prompts, then the most epochs. Where none reaches it: the most
+    epochs, then the shortest generation. The reasons say which and why, with the figures."""
+    splits = choices.replica_threads or range(1, work.cores + 1)
+
+    def trainer_threads(r: int) -> int:
+        return choices.trainer_threads or max(work.cores - r, 1)
+
+    def option(cap: int, answer: int) -> tuple:
+        # the split that trains the most samples for this choice
+        best = max(
+            ((expected(work, paces, cap, answer, r, choices.trainer_threads), r) for r in splits), key=lambda x: x[0][2]
         )
-    else:
-        cap, answer, r, prompts, generation_s, trained, epochs = max(options, key=lambda o: (round(o[6], 2), -o[4]))
-        why = (
-            f"no choice trains {choices.target_epochs:g} epochs in {work.train_window_s:.0f} s: the one that trains "
-            f"the most epochs"
-        )
+        (prompts, generation_s, trained), r = best
+        return (cap, answer, r, prompts, generation_s, trained, trained / max(prompts, 1))
+
+    options = [
+        option(cap, answer)
+        for cap in sorted(set(choices.prompts_per_category))
+        for answer in sorted(set(choices.answer_tokens))
+    ]
+    target, chosen, why = choices.target_epochs, None, ""
+    if choices.baseline is not None:
+        base = option(*choices.baseline)
+        if base[6] * FORECAST_ERROR >= target:
+            richer = [o for o in options if o[0] > base[0] and o[1] == base[1] and o[6] >= target * FORECAST_ERROR]
+            chosen = max(richer, key=lambda o: o[3]) if richer else base
+            why = (
+                f"more prompts than the config's {base[0]} a category: the forecast trains {chosen[6]:.1f} epochs, "
+                f"more than {FORECAST_ERROR:g} x {target:g} (the forecast's own error)"
+                if richer
+                else f"the config's {base[0]} prompts a category and answers of up to {base[1]} tokens: the forecast "
+                f"({base[6]:.1f} epochs) is within its error ({FORECAST_ERROR:g}x) of {target:g} epochs"
+            )
+        else:  # a box too slow for the baseline: the choices below it
+            options = [o for o in options if o[0] <= base[0] and o[1] <= base[1]] or [base]
+            why = (
+                f"the config's {base[0]} prompts a category would train {base[6]:.1f} epochs, less than "
+                f"{target:g} / {FORECAST_ERROR:g}: "
+            )
+    if chosen is None:
+        reaching = [o for o in options if o[6] >= target]
+        if reaching:
+            chosen = max(reaching, key=lambda o: (o[1], o[3], o[6]))
+            why += (
+                f"the longest answers, and with them the most prompts, that still train {target:g} "
+                f"epochs in {work.train_window_s:.0f} s (more prompts pay only once each is seen that often)"
+            )
+        else:
+            chosen = max(options, key=lambda o: (round(o[6], 2), -o[4]))
+            why += f"no choice trains {target:g} epochs in {work.train_window_s:.0f} s: the one that trains most"
+    cap, answer, r, prompts, generation_s, trained, epochs = chosen
+    t = trainer_threads(r)
     reasons = [
         why,
         f"paces ({paces.source}): generation {paces.gen(r):.0f} tok/s at {r} thread(s), a trainer step "
-        f"{paces.first(max(work.cores - r, 1)):.2f} s at {max(work.cores - r, 1)} thread(s) beside it, then "
+        f"{paces.first(t):.2f} s at {t} thread(s) beside it, then "
         f"{paces.first(work.cores):.2f} s (a sample's first epoch) and {paces.later(work.cores):.2f} s (later "
         f"ones) at {work.cores}",
         f"expected: {prompts} prompts × answers of up to {answer} tokens generated in {generation_s:.0f} s, "
@@ -212,7 +265,7 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
         prompts,
         answer,
         r,
-        max(work.cores - r, 1),
+        t,
         round(generation_s, 1),
         int(trained),
         round(epochs, 2),

@@ -195,6 +195,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         # failed is not committed, so its rows go into the next one too), the step offered, and
         # whether a committed checkpoint's rows are there to build on (`_chained`: not after a
         # load or a shortened plan, whose next checkpoint is whole).
+        self.dropped_prompts: set[str] = set()  # left out of the plan (`drop_prompts`)
         self._dirty: set[str] = set()
         self._in_flight: set[str] = set()
         self._offered: int | None = None
@@ -414,6 +415,39 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._update_pause()
         return keys
 
+    def drop_prompts(self, prompt_ids: list[str]) -> list[str]:
+        """Plan without these prompts (the box plan's second look, `cluster.box.revision`): each
+        leaves the ledger in every epoch, as if never planned, if none of its entries was ever
+        handed out (pending, never attempted nor failed), and stays otherwise. Returns those
+        dropped; a saved state lists them, and a ledger loading it drops them again."""
+        dropped = []
+        for pid in dict.fromkeys(prompt_ids):
+            own = [self.entries.get(f"{pid}@{epoch}") for epoch in range(self.epochs)]
+            if any(e is None or e.state != PENDING or e.attempts or e.failures for e in own):
+                continue
+            for e in own:
+                del self.entries[e.uid], self._members[PENDING][e.uid]
+                self._pending[e.epoch].pop(e.uid, None)
+                self._orphans.pop(e.uid, None)
+                self._per_epoch[(PENDING, e.epoch)] -= 1
+            dropped.append(pid)
+        if not dropped:
+            return []
+        self.dropped_prompts.update(dropped)
+        self.order = [u for u in self.order if u in self.entries]
+        reserved = [u for u, e in self.entries.items() if e.epoch == RESERVED]
+        self.position = {u: i for i, u in enumerate([*self.order, *reserved])}
+        changed = self.index.held_changed | self.index.groups() | set(self.watermarks)
+        self.index = rebuilt(self.entries.values(), self.position)  # (its queues are in ledger order)
+        self.index.held_changed |= changed
+        self._group_counts = {}
+        self._dirty &= self.entries.keys()
+        self._in_flight &= self.entries.keys()
+        self._chained = False  # (a delta cannot drop rows: the next checkpoint is whole)
+        self.events.append({"event": "prompts dropped", "prompts": len(dropped), "entries": len(dropped) * self.epochs})
+        self._update_pause()
+        return dropped
+
     # ---- accounting --------------------------------------------------------------------
     def counts(self) -> LedgerCounts:
         """Job-wide counts, and under `groups` what each group generated and holds. A group's
@@ -494,6 +528,7 @@ class SampleLedger(GenerationSide, TrainingSide):
             "master_generation": self.master_generation,
             "totals": dict(self.totals),
             "group_totals": {g: dict(c) for g, c in self.group_totals.items()},
+            **({"dropped_prompts": sorted(self.dropped_prompts)} if self.dropped_prompts else {}),
         }
 
     def load_state_dict(self, state: dict, master_generation: int | None = None) -> list[str]:
@@ -553,6 +588,7 @@ class SampleLedger(GenerationSide, TrainingSide):
             self.master_generation = master_generation
         for uid in list(self._members[FAILED]):  # (a plan with more epochs than the saved one)
             self._quarantine(self.entries[uid])
+        self.drop_prompts(state.get("dropped_prompts", []))  # (the saved plan's second look, again)
         self._update_pause()
         self._group_counts = {}  # (the totals were replaced)
         # every entry was set again: the next checkpoint is whole, not a delta on one this ledger never saved

@@ -112,6 +112,9 @@ class LedgerClient:
     def first_open_epoch(self) -> int:
         return self._get(self.handle.first_open_epoch.remote())
 
+    def drop_prompts(self, prompt_ids: list[str]) -> list[str]:
+        return self._get(self.handle.drop_prompts.remote(prompt_ids))
+
     def shorten(self, epochs: int) -> list[str]:
         return self._get(self.handle.shorten.remote(epochs))
 

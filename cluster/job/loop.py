@@ -20,6 +20,7 @@ from cluster.control import ControlChannel
 from cluster.data import LedgerClient, TrainingRecord
 from cluster.job.checkpointing import Committer
 from cluster.job.events import EventLog
+from cluster.job.plan_revision import PlanRevision
 from cluster.job.poison import BROKEN_WORLD, POISON, PoisonSearch, Verdict, lease_test
 from cluster.job.progress import ProgressReporter, TrainingStats
 from cluster.job.recovery import TrainerWorld
@@ -45,10 +46,12 @@ class TrainingLoop:
         stats: TrainingStats,
         control: ControlChannel,
         events: EventLog,
+        revision: PlanRevision | None = None,
     ) -> None:
         self.t, self.cpu, self.ledger, self.gang, self.world = trainer, cpu, ledger, gang, world
         self.committer, self.record, self.supervisor, self.reporter = committer, record, supervisor, reporter
         self.planner, self.stats, self.control, self.events = planner, stats, control, events
+        self.revision = revision  # the box plan's second look, after the first set-up (None: none)
         self.nonfinite_streak = 0
         # the epochs the LR horizon was last measured for (cluster.training.budget)
         self.horizon_epochs: int | None = None
@@ -67,6 +70,8 @@ class TrainingLoop:
                 s.step = self.world.begin()
             except TrainerFailure as e:
                 self.restart(e)
+            if self.revision is not None:
+                self.revision.after_first_answers(self.world.first_answers_pace)
         while True:
             try:
                 self.supervisor.check()

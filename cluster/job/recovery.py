@@ -11,8 +11,9 @@ checkpoint boundary.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import ConfigError, JobConfig
@@ -84,6 +85,13 @@ def restore_data_state(
     return resume
 
 
+@dataclass(frozen=True)
+class FirstAnswersPace:
+    tok_s: float  # tokens generated per second, every replica together
+    tokens: int  # generated in all by the end of the wait
+    seconds: float  # the time it was measured over
+
+
 class TrainerWorld:
     """The trainer gang's placement and life: `begin`, `restart` (bounded by
     `trainer.max_restarts` within any `trainer.restart_window_s`), `resize`. `resume_from` is
@@ -114,6 +122,9 @@ class TrainerWorld:
         self.placement: list = []  # the trainer's placement groups
         self.generation = 0  # bumped per trainer placement after the first: new placement group names
         self.restarts = RestartBudget(cfg.trainer.max_restarts, cfg.trainer.restart_window_s)
+        # the replicas' pace while the first answers were awaited (a fresh start's; None if they
+        # were all there at the first look): what the box plan's second look goes by
+        self.first_answers_pace: FirstAnswersPace | None = None
 
     def start(self, placed: list) -> None:
         """A trainer world on the placement groups `placed`: the store daemons of their nodes
@@ -218,12 +229,15 @@ class TrainerWorld:
         # costs little: epoch 0 can only be trained as it arrives.
         want = min(VOCAB_SAMPLES, self.train_prompts)
         rows, counts = [], None
+        seen: list[tuple[float, int]] = []  # (when, tokens generated) from the first answer seen
 
         def stored_enough():
             nonlocal rows, counts
             self.stop_check("the first answers' wait")
             rows = self.ledger.peek_stored(want)
             counts = self.ledger.counts()
+            if counts.produced_tokens:
+                seen.append((time.monotonic(), counts.produced_tokens))
             # A full store (producers paused) or nothing left to generate: take what there is.
             if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
                 return True
@@ -253,4 +267,7 @@ class TrainerWorld:
             )
 
         wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=timed_out)
+        if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
+            (t0, n0), (t1, n1) = seen[0], seen[-1]
+            self.first_answers_pace = FirstAnswersPace((n1 - n0) / (t1 - t0), n1, t1 - t0)
         return self.gang.vocab_mapping(rows, self.vocab_texts)

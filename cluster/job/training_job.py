@@ -35,6 +35,7 @@ from cluster.job.events import EventLog
 from cluster.job.history import RunHistory
 from cluster.job.inputs import first_lr_horizon, read_inputs
 from cluster.job.loop import TrainingLoop
+from cluster.job.plan_revision import PlanRevision
 from cluster.job.progress import ProgressReporter, TrainingStats
 from cluster.job.recovery import TrainerWorld, check_resume_plan, restore_data_state
 from cluster.job.results import RunFacts, TrainingEnd, finish, stopped
@@ -296,8 +297,12 @@ class TrainingJob:
             ).start()
         t = cfg.trainer
         # The pace is measured over a checkpoint interval at least: checkpoints are part of it.
-        planner = EpochPlanner(
-            self.started + t.time_budget_s if t.time_budget_s else float("inf"), window=max(10, t.checkpoint_interval)
+        deadline = self.started + t.time_budget_s if t.time_budget_s else float("inf")
+        planner = EpochPlanner(deadline, window=max(10, t.checkpoint_interval))
+        revision = (  # the box plan's second look, once the replica has answered (a fresh start's)
+            PlanRevision(cfg, self.box_plan, inputs.train_prompts, self.ledger, deadline, self.events)
+            if self.box_plan and self.resume is None
+            else None
         )
         self.loop = TrainingLoop(
             t,
@@ -313,6 +318,7 @@ class TrainingJob:
             self.stats,
             self.control,
             self.events,
+            revision,
         )
 
     def finalize(self) -> dict:

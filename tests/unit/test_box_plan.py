@@ -192,3 +192,124 @@ def test_start_up_takes_longer_on_a_slower_box():
     # probe): 330/129 = 2.558 times as long
     assert startup_seconds(60.0, 330.0) == 60.0 and startup_seconds(60.0, 400.0) == 60.0
     assert startup_seconds(60.0, 129.0) == pytest.approx(153.5, abs=0.05)
+
+
+def test_the_configs_own_choice_stands_within_the_forecasts_error():
+    # The fast box above with a target of 4 epochs: 48 a category at answers of 128 forecasts 4.4
+    # epochs (test_a_lower_target_...), enough for the forecast alone; but the config's 24 (14.3
+    # epochs forecast) is within the forecast's error of the target, and 48 is not twice over it.
+    only_128 = dict(answer_tokens=(128,), target_epochs=4.0)
+    assert choose_plan(work(4, 200), FAST, Choices(**only_128)).prompts_per_category == 48
+    plan = choose_plan(work(4, 200), FAST, Choices(**only_128, baseline=(24, 128)))
+    assert (plan.prompts_per_category, plan.answer_tokens) == (24, 128)
+    assert plan.epochs == pytest.approx(14.33, abs=0.01) and "the config's 24 prompts a category" in plan.reasons[0]
+
+
+def test_more_prompts_than_the_config_only_where_the_forecast_is_twice_the_target():
+    # the fast trainer of test_both_cores_...: 48 a category at 128 forecasts 11.81 epochs, over
+    # 2 x 5; over 2 x 6 it would not be
+    fast_trainer = Paces(FAST.generation_tok_s, {1: 0.5, 2: 0.4}, {2: 0.3})
+    plan = choose_plan(work(4, 200), fast_trainer, Choices(target_epochs=5.0, baseline=(24, 128)))
+    assert (plan.prompts_per_category, plan.answer_tokens, plan.epochs) == (48, 128, pytest.approx(11.81, abs=0.01))
+    assert "more prompts than the config's 24" in plan.reasons[0]
+    assert choose_plan(work(4, 200), fast_trainer, Choices(target_epochs=6.0, baseline=(24, 128))).prompts == 96
+
+
+def test_a_box_far_slower_than_the_config_was_written_for_gets_less_than_it():
+    # the first-generation EPYC above: the config's 24 a category at 128 forecasts far less than
+    # 10 / 2 epochs (12 a category at 96 already only 4.3), so the choices below it are weighed,
+    # as without a baseline: 12 a category, answers of 64
+    epyc = Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, {2: 1.6}, source="probe")
+    plan = choose_plan(work(12, 330), epyc, Choices(target_epochs=10.0, baseline=(24, 128)))
+    assert (plan.prompts_per_category, plan.answer_tokens, plan.trained_samples) == (12, 64, 1224)
+    assert plan.reasons[0].startswith("the config's 24 prompts a category would train")
+
+
+def test_what_the_user_set_survives_the_plan(monkeypatch):
+    """`plan_box` with the paces injected (no probe, no target read): the keys the user set on
+    the command line keep their values and are listed as kept; the others are the plan's."""
+    import cluster.box.apply as apply
+    import cluster.target
+    from cluster.config_load import explicit_keys, load_config
+
+    overrides = ["data.max_prompts_per_category=8", "trainer.torch_threads=2"]
+    cfg = load_config("configs/local.yaml", overrides)
+    explicit = explicit_keys("configs/local.yaml", overrides, "configs/local.yaml")
+    assert {"data.max_prompts_per_category", "trainer.torch_threads"} <= explicit
+    assert "sampling.max_tokens" not in explicit  # (set by the embedded default's file: the plan's to change)
+    monkeypatch.setattr(cluster.target, "read_target", lambda cfg: type("T", (), {"path": "unused"})())
+    monkeypatch.setattr(apply, "prompt_tokens", lambda target, train: 40.0)
+    monkeypatch.setattr(apply, "probe_or_kept", lambda *a: (FAST, 0.0, None))
+    record = apply.plan_box(cfg, None, 0.0, clock=lambda: 0.0, explicit=explicit)
+    assert cfg.data.max_prompts_per_category == 8 and cfg.trainer.torch_threads == 2
+    assert record["kept"] == {"data.max_prompts_per_category": 8, "trainer.torch_threads": 2}
+    assert record["prompts_per_category"] == 8 and record["trainer_threads"] == 2
+    assert "data.max_prompts_per_category" not in record["replaced"]
+    assert cfg.sampling.max_tokens == record["answer_tokens"] and cfg.inference.cpu_threads == record["replica_threads"]
+    # without the overrides the same paces choose otherwise: the test above is not the plan's own choice
+    plain = load_config("configs/local.yaml")
+    apply.plan_box(plain, None, 0.0, clock=lambda: 0.0, explicit=frozenset())
+    assert plain.data.max_prompts_per_category != 8 and plain.trainer.torch_threads != 2
+
+
+def test_explicit_keys_are_the_overrides_and_a_users_own_file(tmp_path):
+    from cluster.config_load import explicit_keys
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("data:\n  max_prompts_per_category: 10\ntrainer:\n  time_budget_s: 300\n")
+    assert explicit_keys(mine, ["sampling={max_tokens: 64}"], "configs/local.yaml") == {
+        "data.max_prompts_per_category",
+        "trainer.time_budget_s",
+        "sampling.max_tokens",
+    }
+    assert explicit_keys("configs/local.yaml", [], "configs/local.yaml") == frozenset()
+
+
+def planned(cap: int = 24) -> dict:
+    """What `plan_box` records, as the revision reads it: the FAST box, 4 categories of 60."""
+    return {
+        "prompts_per_category": cap,
+        "answer_tokens": 128,
+        "replica_threads": 1,
+        "trainer_threads": 1,
+        "paces": {"first_step_s": {"1": 2.0, "2": 1.2}, "later_step_s": {"2": 0.6}},
+        "workload": {"prompts_per_category": {f"c{i}": 60 for i in range(4)}, "prompt_tokens": 40, "usable_cores": 2},
+    }
+
+
+def test_the_second_look_drops_prompts_where_the_measured_replica_is_far_slower():
+    from cluster.box.revision import revise_prompts
+
+    # The replica really generates 100 tok/s (the probe said 200), 100 s of training are left.
+    # 24 a category (96 prompts): 122.88 s of generation, answers at 0.78125/s, the trainer's
+    # first 64 come after 81.92 s, 18.08 s more train 14.1: 0.15 epochs (x 2 < 10: revised).
+    # 12 a category (48 prompts): 61.44 s of generation; the trainer starts with all 48 then,
+    # trains their first epochs at 6.095/1.2 = 5.079/s (9.45 s), later ones at 10.16/s for the
+    # 38.56 - 9.45 = 29.11 s left: 48 + 295.7 = 343.7 samples, 7.16 epochs.
+    r = revise_prompts(planned(), 100.0, 0, 100.0, 1024, 20, (12, 24, 48), 10.0)
+    assert r is not None and r.prompts_per_category == 12
+    assert r.expected_epochs == pytest.approx(7.16, abs=0.01) and r.planned_epochs == pytest.approx(0.15, abs=0.005)
+    assert "100 tok/s" in r.reason
+    # 300 s left: the 24 train 18.4 epochs by the model (1767 samples), the plan stands
+    assert revise_prompts(planned(), 100.0, 0, 300.0, 1024, 20, (12, 24, 48), 10.0) is None
+    # never more prompts than planned, whatever the pace
+    assert revise_prompts(planned(12), 5000.0, 0, 300.0, 1024, 20, (12, 24, 48), 10.0) is None
+
+
+def test_prompts_left_out_by_a_revision_are_those_a_smaller_cap_would_not_keep():
+    from cluster.box.revision import prompts_beyond
+    from dspark.prompts import cap_per_category
+
+    Conv = type("Conv", (), {})
+    train = []
+    for i in range(30):
+        c = Conv()
+        c.id, c.category = f"q{i}", ("a", "b", "c")[i % 3]
+        train.append(c)
+    left_out = prompts_beyond(train, 4, 0, None)
+    assert len(left_out) == 30 - 3 * 4
+    kept = [c for c in train if c.id not in left_out]
+    assert {cat: sum(c.category == cat for c in kept) for cat in "abc"} == {"a": 4, "b": 4, "c": 4}
+    # the very prompts a run configured with that cap trains (the hash choice, its seed)
+    assert [c.id for c in kept] == [c.id for c in cap_per_category(train, 4, 0)]
+    assert prompts_beyond(train, 4, 1, None) != left_out  # (another seed chooses others: the seed is used)

@@ -698,3 +698,30 @@ def test_read_failures_are_blamed_on_the_sample_only_when_it_is_corrupt_or_out_o
     assert not read_failure_blamed("gone from the store")
     # a checkpoint keeps a row once it was handed out or failed
     assert not saved({"state": PENDING, "attempts": 0}) and saved({"state": PENDING, "attempts": 0, "failures": 1})
+
+
+def test_dropped_prompts_leave_every_epoch_unless_handed_out_and_stay_dropped_after_a_resume():
+    full = SampleLedger(prompts(10), epochs=3, reuse_across_epochs=True, shuffle_seed=7)
+    ledger = SampleLedger(prompts(10), epochs=3, reuse_across_epochs=True, shuffle_seed=7)
+    handed = ledger.request_prompts("r0", 4)  # p0..p3 are handed out: they stay
+    assert ledger.drop_prompts(["p2", "p5", "p6", "p9", "p5"]) == ["p5", "p6", "p9"]
+    gone = {"p5", "p6", "p9"}
+    # the plan as if never made with them: the full ledger's order without their entries
+    assert ledger.order == [u for u in full.order if u.rsplit("@", 1)[0] not in gone]
+    assert ledger.counts().total == 7 * 3 and ledger.to_generate() == 4 + 3  # generating p0..p3; p4, p7, p8
+    ledger.report_produced("r0", [stored(p) for p in handed])
+    ledger.report_produced("r0", [stored(p) for p in ledger.request_prompts("r0", 10)])
+    step = 0
+    while ledger.lease_step(step + 1, ["g0"], 1000) is not None:
+        step += 1
+        ledger.commit(step)
+    out = ledger.outcome()
+    assert sorted(out["trained"]) == sorted(f"p{i}@{e}" for i in (0, 1, 2, 3, 4, 7, 8) for e in range(3))
+    assert not out["unfinished"] and not out["failed"]
+    # a resumed ledger (built from every prompt again) drops them again from its saved state
+    state = json.loads(json.dumps(ledger.checkpoint_state(step)))
+    assert state["dropped_prompts"] == ["p5", "p6", "p9"]
+    resumed = SampleLedger(prompts(10), epochs=3, reuse_across_epochs=True, shuffle_seed=7)
+    resumed.load_state_dict(state)
+    assert resumed.dropped_prompts == gone and resumed.counts().total == 21 and resumed.drained()
+    assert sorted(resumed.outcome()["trained"]) == sorted(out["trained"])
