@@ -7,7 +7,13 @@ trains in its time budget is the box room's (`cluster.box`).
 """
 
 from cluster.scaling.autoscaler import AutoscaleLoop
-from cluster.scaling.capacity import drafter_size, group_watermarks, groups_on_nodes, target_config
+from cluster.scaling.capacity import (
+    drafter_size,
+    group_watermarks,
+    groups_on_nodes,
+    replica_kv_per_token,
+    target_config,
+)
 from cluster.scaling.capacity import plan as capacity_plan
 from cluster.scaling.placement import (
     Placed,
@@ -46,6 +52,7 @@ __all__ = [
     "place_all",
     "pooled_throughput",
     "release",
+    "replica_kv_per_token",
     "replica_spec",
     "role_specs",
     "sort_bundles_by_node",

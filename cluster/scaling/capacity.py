@@ -2,8 +2,10 @@
 operator can check by hand.
 
 From the target's config: hidden-state bytes per token (stored layers × hidden size × dtype
-size). From the drafter settings: its parameters, trainable and frozen (counted on a model
-built on PyTorch's meta device: exact, no memory), and the model state per trainer rank. From
+size), and what a token takes in a replica's KV cache on each rank: the target's attention and the
+hidden-state capture's own cache group, whole on every rank (`replica_kv_per_token`). From the
+drafter settings: its parameters, trainable and frozen (counted on a model built on PyTorch's meta
+device: exact, no memory), and the model state per trainer rank. From
 `capacity.*` (expected rates) and the topology: per group, the tokens/s and GB/s its replicas
 put into the store and its ranks can train, which side limits, the network a sample crosses
 (once, from a replica node's store daemon to a trainer node's), and the store memory: what the
@@ -23,6 +25,75 @@ from cluster.scaling.placement import node_chunks, role_specs
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 GB, GIB = 1e9, 2**30
+
+
+@dataclass
+class KvPerToken:
+    """What one token takes in a replica's KV cache on each of its tensor-parallel ranks, in two
+    parts with their arithmetic: the target's attention layers, and the hidden-state capture's
+    cache layer (`cluster.inference.capture_model`), which vLLM gives a KV-cache group of its own
+    (one latent row of captured states x hidden size per token, as MLA's: no separate values) and
+    does not split over the ranks: every rank holds every token's captured states whole."""
+
+    attention: int
+    attention_formula: str
+    hidden_states: int
+    hidden_states_formula: str
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.hidden_states
+
+
+def attention_layers(tc) -> int:
+    """The target's layers with a per-token KV cache: all, less a hybrid model's linear-attention
+    layers (whose state is a fixed size per sequence): Kimi Linear's `linear_attn_config`
+    names its full-attention (MLA) layers; transformers' `layer_types` marks linear ones."""
+    linear = getattr(tc, "linear_attn_config", None) or {}
+    if linear.get("full_attn_layers"):
+        return len(linear["full_attn_layers"])
+    types = getattr(tc, "layer_types", None)
+    if types:
+        return sum(t != "linear_attention" for t in types)
+    return tc.num_hidden_layers
+
+
+def replica_kv_per_token(cfg: JobConfig, tc, states: int, hidden_size: int) -> KvPerToken:
+    """Bytes per token per rank of a replica's KV cache (`KvPerToken`). Attention: multi-head
+    latent attention (`kv_lora_rank`) keeps one latent of `kv_lora_rank + qk_rope_head_dim` per
+    layer, the same on every rank; other attention keeps keys and values of its KV heads, split
+    over the ranks (a rank keeps one head at least). In `target.kv_cache_dtype` (fp8: 1 B; auto:
+    the model's dtype). The capture: `states` x `hidden_size` in the model's dtype (its layer
+    refuses a quantized cache), on every rank."""
+    t = cfg.target
+    item = DTYPE_BYTES.get(t.dtype, 2)
+    kv_item = 1 if t.kv_cache_dtype.startswith("fp8") else DTYPE_BYTES.get(t.kv_cache_dtype, item)
+    kv_name = t.kv_cache_dtype if t.kv_cache_dtype != "auto" else t.dtype
+    layers = attention_layers(tc)
+    if getattr(tc, "kv_lora_rank", None):
+        latent = tc.kv_lora_rank + tc.qk_rope_head_dim
+        attention = layers * latent * kv_item
+        formula = (
+            f"{layers} MLA layers x ({tc.kv_lora_rank} + {tc.qk_rope_head_dim}) x {kv_item} B ({kv_name}; "
+            f"not split over ranks) = {attention:,} B"
+        )
+    else:
+        heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        per_rank = max(1, heads // t.tensor_parallel_size)
+        attention = layers * 2 * per_rank * head_dim * kv_item
+        formula = (
+            f"{layers} layers x 2 x {per_rank} KV heads ({heads} over TP {t.tensor_parallel_size}) x {head_dim} "
+            f"x {kv_item} B ({kv_name}) = {attention:,} B"
+        )
+    captured = states * hidden_size * item
+    return KvPerToken(
+        attention,
+        formula,
+        captured,
+        f"{states} x {hidden_size} x {item} B ({t.dtype}; its own KV-cache group, whole on every rank) "
+        f"= {captured:,} B",
+    )
 
 
 def group_watermarks(cfg: JobConfig, groups_on_node: dict[str, set[str]] | None = None) -> dict[str, tuple[int, int]]:
@@ -158,12 +229,15 @@ def plan(cfg: JobConfig) -> str:
     world = sum(g.trainer_ranks for g in groups)
     t, cap = cfg.trainer, cfg.capacity
     state = drafter.state_bytes_per_rank(t.precision, t.zero_stage, world)
+    kv = replica_kv_per_token(cfg, tc, states, dc.hidden_size)
     out = [
         f"capacity plan: target {cfg.target.path} (hidden {dc.hidden_size}, {dc.target_num_layers} layers, "
         f"vocab {dc.target_vocab_size}); {states} hidden states per token "
         f"(aux layers {list(dc.aux_layer_ids)} + the last)",
         f"  hidden states: {states} x {dc.hidden_size} x {item} B ({cfg.target.dtype}) = {per_token:,} B per token "
         f"(+5 B of token id and loss mask)",
+        f"  replica KV cache per token on each rank: {kv.total:,} B = attention {kv.attention_formula} "
+        f"+ hidden-state capture {kv.hidden_states_formula}",
         f"  drafter: {dc.num_layers} layers, {drafter.trainable:,} trainable parameters "
         f"({drafter.trainable / 1e9:.2f} B), "
         f"{drafter.frozen:,} frozen ({drafter.frozen / 1e9:.2f} B: the target's embedding, final norm and LM head"

@@ -149,7 +149,10 @@ def probe(address: str, timeout: float = 2.0) -> bool:
 @dataclass
 class StoreConfig:
     master: str = "127.0.0.1:50051"  # host:port of mooncake_master's RPC
-    local_hostname: str = "127.0.0.1"
+    # The address this client's transfer engine gives its peers. Empty: resolved where the client
+    # connects (`resolve_local_hostname`), never by whoever made the config (the job's driver runs
+    # on another node than most clients).
+    local_hostname: str = ""
     protocol: str = "tcp"  # tcp | rdma
     rdma_devices: str = ""
     metadata_server: str = "P2PHANDSHAKE"
@@ -178,6 +181,20 @@ class StoreConfig:
                 f"every node it places work on: {sorted(self.node_clients)}"
             )
         return self.node_clients[node]
+
+    def resolve_local_hostname(self) -> str:
+        """This client's address for its peers, found in the process that connects (a replica's
+        actor, vLLM's worker that runs the connector, a trainer rank): the set `local_hostname`,
+        else over RDMA the IP of the node this process runs on (a peer's transfer engine connects
+        back to it for the handshake), else loopback (over TCP the peers never connect to a
+        client: it calls them)."""
+        if self.local_hostname:
+            return self.local_hostname
+        if self.protocol == "rdma":
+            import ray
+
+            return ray.util.get_node_ip_address()  # the raylet's address in a Ray process, else the routed one
+        return "127.0.0.1"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,7 +302,7 @@ class HiddenStateStore:
         with self._lock:
             client = MooncakeDistributedStore()
             rc = client.setup(
-                cfg.local_hostname,
+                cfg.resolve_local_hostname(),
                 cfg.metadata_server,
                 cfg.segment_bytes,
                 cfg.buffer_bytes,

@@ -133,14 +133,15 @@ class StoreServices:
 
     def store_config(self) -> StoreConfig:
         """What every store user (replica, connector, trainer rank) is given: the master, the
-        node daemons by Ray node id (each user attaches to its own node's), the transport."""
+        node daemons by Ray node id (each user attaches to its own node's), the transport. No
+        `local_hostname`: each client resolves its own node's address where it connects
+        (`StoreConfig.resolve_local_hostname`); this node's would be wrong for every client on
+        another (over RDMA with `segment_host: master`, where replicas and ranks are full clients)."""
         t = self.t
         with self._lock:
             clients = {node: address for node, (_, address) in self.node_stores.items()}
-        host = self.ray.util.get_node_ip_address() if t.protocol == "rdma" else "127.0.0.1"
         return StoreConfig(
             master=self.master_address,
-            local_hostname=host,
             protocol=t.protocol,
             rdma_devices=t.rdma_devices,
             buffer_bytes=t.buffer_mb << 20,

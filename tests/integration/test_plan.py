@@ -99,6 +99,8 @@ def test_production_placement_on_simulated_cluster():
     # one world; a group's replica puts 17,000 tok/s x 86,016 B = 1.46 GB/s into the store.
     text = out.stdout
     assert "6 x 7168 x 2 B (bfloat16) = 86,016 B per token" in text
+    # a token in a replica's KV cache on each GPU: 24 x (512 + 64) x 1 B of FP8 MLA + the capture's 86,016 B
+    assert "replica KV cache per token on each rank: 99,840 B" in text
     trainable, frozen = dspark_parameters(
         hidden=7168,
         layers=5,
@@ -133,6 +135,8 @@ def test_single_node_split_on_one_simulated_node():
     # MLP; 358.4 GiB (0.7 x 512 GiB) / 61,440 B = 6,263,494 tokens before the producers pause.
     text = out.stdout
     assert "6 x 5120 x 2 B (bfloat16) = 61,440 B per token" in text
+    # 64 layers x 2 x 8/4 KV heads x 128 x 2 B = 65,536 B of attention + the capture's 61,440 B, on each rank
+    assert "replica KV cache per token on each rank: 126,976 B" in text
     trainable, frozen = dspark_parameters(
         hidden=5120,
         layers=3,

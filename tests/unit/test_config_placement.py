@@ -47,6 +47,34 @@ def test_kimi_k3_config_is_what_it_claims():
     assert k3.target.name == "moonshotai/Kimi-K3" and k3.target.trust_remote_code
 
 
+def test_replica_kv_per_token_counts_the_hidden_state_group_on_every_rank():
+    """A token's KV cache on each rank of a replica, by hand from the plan copies' figures. K3
+    (configs/targets/kimi_k3.json, FP8 KV cache, TP 8): 24 MLA layers x (kv_lora_rank 512 +
+    qk_rope_head_dim 64) x 1 B = 13,824 B (the latent is not split over ranks; the 69 KDA layers
+    keep a state per sequence, not per token), plus the capture's own group: 5 aux layers + the
+    last = 6 states x hidden 7168 x 2 B (bf16, whatever the KV dtype) = 86,016 B, whole on every
+    rank. Qwen3-32B (bf16 KV cache, TP 4): 64 layers x 2 (K and V) x 8/4 KV heads x 128 x 2 B =
+    65,536 B, plus 6 x 5120 x 2 B = 61,440 B."""
+    from cluster.scaling import replica_kv_per_token, target_config
+
+    k3 = load_config(ROOT / "configs" / "kimi_k3.yaml")
+    kv = replica_kv_per_token(k3, target_config(k3), len(k3.target.aux_layer_ids) + 1, 7168)
+    assert (kv.attention, kv.hidden_states) == (24 * (512 + 64) * 1, 6 * 7168 * 2) == (13_824, 86_016)
+    assert kv.total == 99_840  # ~100 kB: 64 GB of a GPU hold ~641k tokens, 39 sequences of max_model_len 16,384
+    assert "24 MLA layers x (512 + 64) x 1 B (fp8" in kv.attention_formula
+    qwen = load_config(ROOT / "configs" / "single_node_8gpu.yaml")
+    kv = replica_kv_per_token(qwen, target_config(qwen), 6, 5120)
+    assert (kv.attention, kv.hidden_states) == (64 * 2 * (8 // 4) * 128 * 2, 6 * 5120 * 2) == (65_536, 61_440)
+    # the capture is not split over ranks, the heads are: TP 8 halves attention only
+    kv8 = replica_kv_per_token(
+        load_config(ROOT / "configs" / "single_node_8gpu.yaml", ["target.tensor_parallel_size=8"]),
+        target_config(qwen),
+        6,
+        5120,
+    )
+    assert (kv8.attention, kv8.hidden_states) == (32_768, 61_440)
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
