@@ -89,7 +89,7 @@ def restore_data_state(
 class FirstAnswersPace:
     tok_s: float  # tokens generated per second, every replica together
     tokens: int  # generated in all by the end of the wait
-    seconds: float  # the time it was measured over
+    seconds: float  # since prompts were first seen handed out
 
 
 class TrainerWorld:
@@ -229,15 +229,17 @@ class TrainerWorld:
         # costs little: epoch 0 can only be trained as it arrives.
         want = min(VOCAB_SAMPLES, self.train_prompts)
         rows, counts = [], None
-        seen: list[tuple[float, int]] = []  # (when, tokens generated) from the first answer seen
+        # When prompts were first seen handed out: answers arrive a replica's batch at a time (64
+        # at once on the local job), so the pace is what was generated since then
+        handed_out: list[float] = []
 
         def stored_enough():
             nonlocal rows, counts
             self.stop_check("the first answers' wait")
             rows = self.ledger.peek_stored(want)
             counts = self.ledger.counts()
-            if counts.produced_tokens:
-                seen.append((time.monotonic(), counts.produced_tokens))
+            if not handed_out and (counts.generating or counts.produced_tokens):
+                handed_out.append(time.monotonic())
             # A full store (producers paused) or nothing left to generate: take what there is.
             if len(rows) >= want or (rows and (counts.paused or counts.to_generate == 0)):
                 return True
@@ -267,7 +269,9 @@ class TrainerWorld:
             )
 
         wait_until(stored_enough, timeout_s=timeout, interval_s=0.5, what="the first answers", on_timeout=timed_out)
-        if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
-            (t0, n0), (t1, n1) = seen[0], seen[-1]
-            self.first_answers_pace = FirstAnswersPace((n1 - n0) / (t1 - t0), n1, t1 - t0)
+        seconds = time.monotonic() - handed_out[0] if handed_out else 0.0
+        if counts.produced_tokens and seconds >= 1.0:  # (not when the answers were there at the first look)
+            self.first_answers_pace = FirstAnswersPace(
+                counts.produced_tokens / seconds, counts.produced_tokens, seconds
+            )
         return self.gang.vocab_mapping(rows, self.vocab_texts)
