@@ -254,6 +254,13 @@ def plan_box(
             cfg.trainer.time_budget_s,
             plan.reasons[-1],
         )
+    if cfg.target.tensor_parallel_size > 1:  # the probe's engine is one process
+        plan.reasons.append(
+            f"the probe generated at tensor parallelism 1; the replica runs {cfg.target.tensor_parallel_size} "
+            "ranks: its own pace is measured at the first answers, and prompts never handed out are left out "
+            "then if it cannot train these often enough (cluster.box.revision)"
+        )
+        log.info("box_plan: %s", plan.reasons[-1])
     return {
         **plan.to_dict(),
         "paces": {

@@ -160,7 +160,7 @@ def finish(
     stop_check("the end (export)")
     gang.export(str(final), calibration.get("temperatures"), cfg.target.name)
     counts = ledger.counts()
-    prompts = len(inputs.train_prompts)
+    prompts = counts.total // max(counts.epochs, 1)  # the ledger's: less any the box plan's second look left out
     results = {
         "status": "completed",
         "run_dir": str(run.run_dir),
