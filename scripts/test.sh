@@ -11,4 +11,10 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$DSPARK_CACHE/torch_extensio
 # them (`.venv/bin/ruff format .` fixes the second).
 .venv/bin/ruff check --no-cache . && .venv/bin/ruff format --no-cache --check . \
     || { echo "[test] ruff: fix the findings above (ruff format . / ruff check --fix .)" >&2; exit 1; }
+# Then the docs site (mkdocs.yml), built strict into a scratch folder: a broken link between
+# pages, or a page that is missing, fails here (docs/configuration.md's freshness is a unit test).
+SITE=$(mktemp -d)
+.venv/bin/mkdocs build --strict -q -d "$SITE" \
+    || { rm -rf "$SITE"; echo "[test] mkdocs build --strict: fix the docs findings above" >&2; exit 1; }
+rm -rf "$SITE"
 exec .venv/bin/python -m pytest -m "not slow" "$@"
