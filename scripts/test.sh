@@ -11,4 +11,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$DSPARK_CACHE/torch_extensio
 # them (`.venv/bin/ruff format .` fixes the second).
 .venv/bin/ruff check --no-cache . && .venv/bin/ruff format --no-cache --check . \
     || { echo "[test] ruff: fix the findings above (ruff format . / ruff check --fix .)" >&2; exit 1; }
+# The alerting rules' syntax (seconds; their behaviour: tests/unit/test_alerts.py, promtool test rules).
+promtool check rules deploy/prometheus/dspark_alerts.yaml >/dev/null \
+    || { promtool check rules deploy/prometheus/dspark_alerts.yaml; echo "[test] promtool: fix the rules above" >&2; exit 1; }
 exec .venv/bin/python -m pytest -m "not slow" "$@"
