@@ -17,11 +17,25 @@ NEED=""
 LIBS=$(ldconfig -p 2>/dev/null || true)
 grep libibverbs.so.1 <<<"$LIBS" >/dev/null || NEED="$NEED libibverbs1"
 grep libtcmalloc_minimal.so.4 <<<"$LIBS" >/dev/null || NEED="$NEED libtcmalloc-minimal4"
+# Prometheus and promtool (scripts/monitor.sh, the alerting rules' tests, scripts/test.sh's check).
+command -v promtool >/dev/null && command -v prometheus >/dev/null || NEED="$NEED prometheus"
 if [ -n "$NEED" ]; then
     echo "[bootstrap] installing$NEED"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     # shellcheck disable=SC2086
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $NEED >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends $NEED >/dev/null
+    if [[ " $NEED " == *" prometheus "* ]]; then
+        # Debian's package enables a service of its own (every interface, port 9090) and starts it
+        # where an init system lets it (a container's policy-rc.d refuses): stopped and disabled;
+        # ours is scripts/monitor.sh's, on loopback.
+        if [ -d /run/systemd/system ]; then
+            $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+        else
+            $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+            if [ -s /run/prometheus/prometheus.pid ]; then $SUDO /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi
+        fi
+    fi
 fi
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then

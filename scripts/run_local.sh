@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default (configs/local.yaml): sets up the environment, starts a
 # local Ray head with its dashboard on 127.0.0.1:8265 if none is running, submits the job with
-# `ray job submit` and streams its log. Extra arguments are config overrides (key=value), after an
+# `ray job submit` and streams its log, with a Prometheus beside the head (scripts/monitor.sh;
+# DSPARK_MONITOR=0: none). Extra arguments are config overrides (key=value), after an
 # optional `--config FILE` (default configs/local.yaml; configs/local_2groups.yaml runs two groups).
 # Submitting again with the same run_name resumes from the last checkpoint.
 set -euo pipefail
@@ -32,6 +33,11 @@ if [ ! -s "$RAY_AUTH_TOKEN_PATH" ]; then
     (umask 077 && python -c "import secrets; print(secrets.token_hex(32))" > "$RAY_AUTH_TOKEN_PATH")
 fi
 DASH=http://127.0.0.1:8265
+# A Prometheus beside the head (scripts/monitor.sh: loopback only, Ray's own scrape targets, the
+# alerting rules, stopped with the head); DSPARK_MONITOR=0 goes without. The head's dashboard reads
+# it (its Metrics view) through RAY_PROMETHEUS_HOST, which it takes from its environment at `ray start`.
+PROM_PORT=${DSPARK_PROMETHEUS_PORT:-9090}
+export RAY_PROMETHEUS_HOST=${RAY_PROMETHEUS_HOST:-http://127.0.0.1:$PROM_PORT}
 # A port probe, not `ray status`: that one takes about a minute to give up when no head runs.
 if ! python -c "import socket; socket.create_connection(('127.0.0.1', 6379), 2)" 2>/dev/null; then
     echo "[run_local] starting a local Ray head (dashboard: $DASH, token authentication)"
@@ -68,5 +74,9 @@ PY
 fi
 # The config and the overrides go in the job's environment ($DSPARK_JOB_ARGS), not on the
 # entrypoint: Ray runs the entrypoint through a shell, which would read a `$` or `;` in them.
+if [ "${DSPARK_MONITOR:-1}" != 0 ]; then
+    DSPARK_PROMETHEUS_PORT=$PROM_PORT scripts/monitor.sh start \
+        || echo "[run_local] no Prometheus beside the head (see above); the job runs without it" >&2
+fi
 ENV_JSON=$(python scripts/runtime_env.py --config "$CONFIG" "output_dir=$ROOT/outputs" "$@")
 exec ray job submit --address "$DASH" --working-dir . --runtime-env-json "$ENV_JSON" -- python jobs/train_kimi_k3.py

@@ -17,4 +17,7 @@ SITE=$(mktemp -d)
 .venv/bin/mkdocs build --strict -q -d "$SITE" \
     || { rm -rf "$SITE"; echo "[test] mkdocs build --strict: fix the docs findings above" >&2; exit 1; }
 rm -rf "$SITE"
+# The alerting rules' syntax (seconds; their behaviour: tests/unit/test_alerts.py, promtool test rules).
+promtool check rules deploy/prometheus/dspark_alerts.yaml >/dev/null \
+    || { promtool check rules deploy/prometheus/dspark_alerts.yaml; echo "[test] promtool: fix the rules above" >&2; exit 1; }
 exec .venv/bin/python -m pytest -m "not slow" "$@"

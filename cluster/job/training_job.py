@@ -76,6 +76,7 @@ class TrainingJob:
         self.events = EventLog()
         self.run_facts = RunFacts(cfg, self.run_dir, self.started, self.events.lines)
         self.stop_event = threading.Event()  # the progress reporter's and the autoscaler's threads
+        self.metrics_stop = threading.Event()  # the gauges' refresh (cluster.metrics): until the job ends
         self.services = self.ledger = self.gang = self.reporter = self.autoscaler = self.wandb = None
         self.trained_until_s: float | None = None  # when training ended, from the job's start
         self.committer = self.world = self.loop = None
@@ -288,6 +289,10 @@ class TrainingJob:
             daemon=True,
             name="progress",
         ).start()
+        # the last reported gauges (the held-out τ at the end) stay exported until the job ends
+        threading.Thread(
+            target=self.reporter.metrics.keep_alive, args=(self.metrics_stop,), daemon=True, name="metrics"
+        ).start()
         if cfg.autoscaler.enabled:
             from cluster.scaling import AutoscaleLoop
 
@@ -359,6 +364,7 @@ class TrainingJob:
         from cluster.scaling import release
 
         self.stop_event.set()
+        self.metrics_stop.set()
         for pool in self.pools.values():
             pool.stop()
         trainer_placement = self.world.placement if self.world is not None else []

@@ -1,7 +1,8 @@
 """The Ray job end to end on the local target (real vLLM CPU, Mooncake, DeepSpeed gloo), small:
 exactly-once counts, a checkpoint speculators loads, a held-out τ, metrics on Ray's Prometheus
-endpoint, every listener of its processes on loopback or behind the token, and (slow) kill +
-resubmit resuming from the last checkpoint."""
+endpoint, every Grafana panel's query answered by a real Prometheus that scraped the job, every
+listener of its processes on loopback or behind the token, and (slow) kill + resubmit resuming
+from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -64,7 +65,44 @@ def scrape(metric: str, run: str, timeout: float = 60.0) -> list[str]:
     return lines
 
 
-def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
+@pytest.fixture
+def prometheus(ray_cluster, tmp_path):
+    """A real Prometheus (scripts/monitor.sh's, cluster.monitoring) on a free loopback port, scraping
+    this session's Ray node every 2 s with the shipped alerting rules loaded; killed at the end. (The
+    session's Ray runs without its dashboard, which writes the service-discovery file: the node's
+    metrics port is given instead.)"""
+    from cluster.monitoring import Prometheus, config_text
+
+    node = ray_cluster._private.worker.global_worker.node
+    prom = Prometheus(tmp_path / "prometheus")
+    try:
+        prom.start(config_text(targets=[f"{node.node_ip_address}:{node.metrics_export_port}"], scrape_interval_s=2), 60)
+        deadline = time.monotonic() + 30
+        while not prom.targets_up() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert prom.targets_up(), prom.api("targets")
+        yield prom
+    finally:
+        prom.stop()
+
+
+def check_panels(prom, run: str, start: float) -> None:
+    """Every panel's query of the Grafana dashboard evaluated through Prometheus over the job's
+    time range: one that returns nothing for a series the job set fails, with the panel's title;
+    the shipped alerting rules evaluated on the job's series without an error."""
+    from tests.unit.test_dashboard import evaluate_panels, format_table
+
+    # the job's last series (the held-out τ, set as it ended) scraped once more
+    assert prom.wait_for(f'ray_dspark_heldout_tau{{run="{run}"}}', 30), "Prometheus never scraped the held-out τ"
+    rows, failures = evaluate_panels(prom, run, start, time.time())
+    print(f"[panels] run {run!r}, {time.time() - start:.0f} s of it, scraped every 2 s\n{format_table(rows)}")
+    assert not failures, "\n".join(failures)
+    rules = prom.rules()
+    print("[alerts] " + ", ".join(f"{r['name']}: {r['health']}/{r.get('state', '-')}" for r in rules))
+    assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+def test_job_end_to_end(ray_cluster, smol_target, tmp_path, prometheus):
     from cluster.job import TrainingJob
 
     long = tmp_path / "long.jsonl"  # a long-context set: one prompt under 512 tokens, one past it
@@ -91,6 +129,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
             "data.long_context_budget_s=120",
         ],
     )
+    started = time.time()
     with ListenerWatch() as listeners:  # what tests/integration/test_security.py checks, on this job
         result = TrainingJob(cfg).run()
     # The job's series, first: Ray drops a gauge ~25 s after it was last set (measured on Ray
@@ -99,6 +138,7 @@ def test_job_end_to_end(ray_cluster, smol_target, tmp_path):
     assert any(float(ln.rsplit(" ", 1)[1]) == 24 * cfg.data.epochs for ln in trained), trained
     assert any('group="g0"' in ln for ln in scrape("dspark_inference_replicas", "e2e"))  # and each group's side
     assert scrape("dspark_train_loss", "e2e") and scrape("dspark_heldout_tau", "e2e")
+    check_panels(prometheus, "e2e", started)  # the dashboard against the job's real series
     proof = result["exactly_once"]
     assert proof["per_epoch"] == {str(e): 24 for e in range(cfg.data.epochs)} and proof["failed"] == []
     assert result["steps"] >= 2

@@ -35,6 +35,32 @@ def test_gauges_and_counters_carry_job_tags():
     assert m._metrics["dspark_samples_trained"][0].values == [("inc", 2.0, {"run": "r1", "group": "g0"})]
 
 
+def test_gauges_are_set_again_until_the_job_ends():
+    # Ray's agent drops a gauge not set for ~20 s: the job's driver sets each again to its last
+    # value (a counter is cumulative and kept by Ray: never added to again)
+    import threading
+    import time
+
+    m = Metrics(tags={"run": "r1"}, backend=FakeBackend)
+    m.gauge("queue_depth", 3, group="g0")
+    m.gauge("queue_depth", 5, group="g0")
+    m.gauge("queue_depth", 1, group="g1")
+    m.count("samples_trained", 2)
+    m.refresh()
+    gauge = m._metrics["dspark_queue_depth"][0]
+    assert gauge.values[3:] == [("set", 5.0, {"run": "r1", "group": "g0"}), ("set", 1.0, {"run": "r1", "group": "g1"})]
+    assert m._metrics["dspark_samples_trained"][0].values == [("inc", 2.0, {"run": "r1"})]
+    stop = threading.Event()
+    t = threading.Thread(target=m.keep_alive, args=(stop, 0.01))
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(gauge.values) < 9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(5)
+    assert not t.is_alive() and gauge.values[-2:] == gauge.values[3:5]
+
+
 def test_misuse_is_an_error():
     m = Metrics(backend=FakeBackend)
     m.gauge("x", 1, group="a")
