@@ -60,15 +60,15 @@ class StoredQueue:
     def discard(self, uid: str) -> None:
         self._live.pop(uid, None)
 
-    def _stale(self, item: tuple[int, int, str]) -> bool:
-        live = self._live.get(item[2])
-        return live is None or live[1] != item[1]
-
     def head(self) -> str | None:
-        heap = self._heap
-        while heap and self._stale(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        heap, live = self._heap, self._live
+        while heap:
+            _, ticket, uid = heap[0]
+            current = live.get(uid)
+            if current is not None and current[1] == ticket:
+                return uid
+            heapq.heappop(heap)  # stale: the entry left, or came back with a new ticket
+        return None
 
     def pop(self) -> str:
         uid = self.head()
@@ -154,6 +154,25 @@ class LedgerIndex:
                 del self.by_step[e.step]
         if state != GENERATING and not e.released:
             self.held[group].remove(e.ref.key if e.ref is not None else uid)
+            self.held_changed.add(group)
+
+    def leased(self, e: Entry) -> None:
+        """What `remove(e)` then `add(e)` do to an entry that was stored and is now leased (its
+        `step` set), in one pass: a step leases hundreds. A lease keeps the entry's group, key,
+        bytes and released flag, so the bytes its group holds stay as they are (a remove and an
+        add of the same key); the group is still marked changed, as the two calls mark it."""
+        group, uid = e.group, e.uid
+        live = self.live
+        live[(STORED, group)] -= 1
+        live[(LEASED, group)] += 1
+        self.touched.add(group)
+        self.queues[group].discard(uid)  # (a step's assembly took it off the queue already)
+        self.stored_bytes[group][e.epoch] -= e.nbytes
+        uids = self.by_step.get(e.step)
+        if uids is None:
+            uids = self.by_step[e.step] = {}
+        uids[uid] = None
+        if not e.released:
             self.held_changed.add(group)
 
     # ---- reading -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from operator import attrgetter
 
 from cluster.data.ledger_entry import (
     FAILED,
@@ -29,6 +30,8 @@ from cluster.data.ledger_entry import (
     saved_row,
 )
 from cluster.data.ledger_rows import LeasedSample, read_failure_blamed
+
+tokens_of = attrgetter("tokens")
 
 
 class TrainingSide:
@@ -66,8 +69,9 @@ class TrainingSide:
         if not held:
             return None
         out: list[list[LeasedSample]] = [[] for _ in range(ranks)]
-        for e in sorted(held, key=lambda x: self.position[x.uid]):
-            out[e.rank].append(self._row(e))
+        position = self.position
+        for e in sorted(held, key=lambda x: position[x.uid]):
+            out[e.rank].append(LeasedSample(e.uid, e.ref, e.group))
         return out
 
     def _assemble(self, step: int, rank_groups: list[str], batch_tokens: int) -> list[Entry]:
@@ -84,14 +88,29 @@ class TrainingSide:
                 full[g] = self.full(g)
             return full[g]
 
+        # each group's ready head, looked up once until its queue changes (`pop`, `put_back`):
+        # the second pass asks it of every donor for every rank with room
+        heads: dict[str, Entry | None] = {}
+
         def head(g: str) -> Entry | None:
+            if g in heads:
+                return heads[g]
             uid = queues[g].head() if g in queues else None
             e = self.entries[uid] if uid is not None else None
-            return e if e is not None and (e.epoch <= floor or is_full(g)) else None
+            e = heads[g] = e if e is not None and (e.epoch <= floor or is_full(g)) else None
+            return e
+
+        def pop(g: str) -> None:
+            queues[g].pop()
+            del heads[g]
+
+        def put_back(e: Entry) -> None:
+            queues[e.group].add(e.uid, self.position[e.uid])
+            heads.pop(e.group, None)
 
         # each group's ready queue, bytes; the groups that have one, in the order of their heads
-        heads = {g: e for g, q in queues.items() if len(q) and (e := head(g)) is not None}
-        ready = sorted(heads, key=lambda g: self.position[heads[g].uid])
+        first = {g: e for g, q in queues.items() if len(q) and (e := head(g)) is not None}
+        ready = sorted(first, key=lambda g: self.position[first[g].uid])
         queued = {g: self.index.ready_bytes(g, None if is_full(g) else floor) for g in ready}
         loads = [0] * len(rank_groups)
         picks: list[tuple[Entry, int]] = []
@@ -108,17 +127,22 @@ class TrainingSide:
         for r, g in enumerate(rank_groups):
             ranks_of[g].append(r)
         for g, ranks in ranks_of.items():  # 1. own group first: a step's worth from the head...
-            chosen, total = [], 0
-            while (e := head(g)) is not None and (not chosen or total + e.tokens <= batch_tokens * len(ranks)):
-                queues[g].pop()
+            chosen, total, budget = [], 0, batch_tokens * len(ranks)
+            while (e := head(g)) is not None and (not chosen or total + e.tokens <= budget):
+                pop(g)
                 chosen.append(e)
                 total += e.tokens
-            for e in sorted(chosen, key=lambda x: -x.tokens):  # ...balanced largest first, within each rank's budget
-                room = [r for r in ranks if has_room(r, e)]
-                if room:
-                    take(e, min(room, key=loads.__getitem__))
+            # ...balanced largest first (a stable sort: ties keep ledger order), each to the
+            # least-loaded rank with room (the first such), within each rank's budget
+            for e in sorted(chosen, key=tokens_of, reverse=True):
+                rank = None
+                for r in ranks:
+                    if has_room(r, e) and (rank is None or loads[r] < loads[rank]):
+                        rank = r
+                if rank is not None:
+                    take(e, rank)
                 else:
-                    queues[g].add(e.uid, self.position[e.uid])  # next step's
+                    put_back(e)  # next step's
         # 2. borrow where the own group has nothing more ready. A donor with nothing ready or at
         # its low watermark stays so for the rest of the step (its queue only shrinks): it leaves
         # the list, so that each rank sorts only the groups that can still lend, not every group.
@@ -131,13 +155,10 @@ class TrainingSide:
             for donor in sorted(donors, key=lambda d: -queued[d]):
                 low = lows[donor]
                 while donor != g and (e := head(donor)) is not None and queued[donor] > low and has_room(r, e):
-                    queues[donor].pop()
+                    pop(donor)
                     take(e, r)
-        for e, rank in picks:
-            self._set(e, LEASED, step=step, rank=rank, crossed=e.group != rank_groups[rank])
-            nxt = self._next_epoch(e)
-            if nxt is not None:  # reuse: the next epoch may train on this sample from now on
-                self._set(nxt, STORED, ref=e.ref, tokens=e.tokens, nbytes=e.nbytes, group=e.group)
+        for e, rank in picks:  # (with reuse, the next epoch may train on the sample from now on)
+            self._lease(e, step, rank, e.group != rank_groups[rank])
         return [e for e, _ in picks]
 
     def checkpoint_state(self, step: int) -> dict:
@@ -180,10 +201,6 @@ class TrainingSide:
     def _count_trained(totals, tokens: int, crossed: bool) -> None:
         for key, n in (("trained_samples", 1), ("trained_tokens", tokens), ("crossed_samples", int(crossed))):
             totals[key] = totals.get(key, 0) + n
-
-    def _next_epoch(self, e: Entry) -> Entry | None:
-        nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
-        return nxt if self.reuse and nxt is not None and nxt.state == PENDING else None
 
     def _shares_key_with_next(self, e: Entry) -> bool:
         nxt = self.entries.get(f"{e.prompt_id}@{e.epoch + 1}")
@@ -286,10 +303,7 @@ class TrainingSide:
                     continue
                 rank = min(own or room, key=loads.__getitem__)
                 loads[rank] += e.tokens
-                self._set(e, LEASED, step=step, rank=rank, crossed=e.group != rank_groups[rank])
-                nxt = self._next_epoch(e)
-                if nxt is not None:  # reuse, as a step's assembly hands it on
-                    self._set(nxt, STORED, ref=e.ref, tokens=e.tokens, nbytes=e.nbytes, group=e.group)
+                self._lease(e, step, rank, e.group != rank_groups[rank])  # (and with reuse hands it on)
                 held.append(e)
         return self._per_rank(held, len(rank_groups))
 

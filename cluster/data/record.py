@@ -40,11 +40,13 @@ class TrainingRecord:
     def add(self, step: int, rank: int, group: str, trained: list[LeasedSample]) -> None:
         """`trained`: the samples (`LeasedSample`s: their `group` is the record's `source`, where
         the sample was generated) rank `rank` of group `group` trained at `step`."""
+        append = self.pending.append  # (a step adds hundreds of rows)
         for t in trained:
-            prompt, _, epoch = t.uid.rpartition("@")
-            self.pending.append(
+            uid = t.uid
+            prompt, _, epoch = uid.rpartition("@")
+            append(
                 {
-                    "uid": t.uid,
+                    "uid": uid,
                     "prompt": prompt,
                     "epoch": int(epoch),
                     "step": step,
