@@ -102,6 +102,10 @@ def plan_choices(cfg: JobConfig, per_category: Counter, explicit: frozenset[str]
         (answer,) if answer_set else tuple(box.answer_tokens),
         box.target_epochs,
         baseline=(cap or max(per_category.values()), answer),
+        # the config's split (`resolve_for_machine` gave the replica every usable core if unset)
+        baseline_split=(cfg.inference.cpu_threads, cfg.trainer.torch_threads)
+        if cfg.inference.cpu_threads and cfg.trainer.torch_threads
+        else None,
         replica_threads=(cfg.inference.cpu_threads,) if replica_set else (),
         trainer_threads=cfg.trainer.torch_threads if "trainer.torch_threads" in explicit else None,
     )

@@ -96,6 +96,12 @@ class Choices:
     # The config's own (prompts per category, answer tokens): where given, the plan departs from
     # them only where its forecast is off by more than its own error (`FORECAST_ERROR`).
     baseline: tuple[int, int] | None = None
+    # ... and its (replica threads, trainer threads while it generates), kept with it: the model's
+    # core split rests on a constant measured on one machine (`TEAM_LOSS`), and on a 2-core
+    # Emerald Rapids Xeon the config's split (the replica on both cores, the trainer on one
+    # beside it) generated 293-356 tok/s where the model's (one each) made 266-283 and trained
+    # 8 epochs against 6 in the same budget
+    baseline_split: tuple[int, int] | None = None
     # The replica's thread counts to weigh (empty: every split of the cores) and the trainer's
     # while it generates (None: the cores the replica leaves, at least one): one value each
     # where the user set it.
@@ -193,13 +199,17 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
     def trainer_threads(r: int) -> int:
         return choices.trainer_threads or max(work.cores - r, 1)
 
-    def option(cap: int, answer: int) -> tuple:
+    def option(cap: int, answer: int, split: tuple[int, int] | None = None) -> tuple:
+        if split is not None:  # the config's own
+            r, t = split
+            prompts, generation_s, trained = expected(work, paces, cap, answer, r, t)
+            return (cap, answer, r, prompts, generation_s, trained, trained / max(prompts, 1), t)
         # the split that trains the most samples for this choice
         best = max(
             ((expected(work, paces, cap, answer, r, choices.trainer_threads), r) for r in splits), key=lambda x: x[0][2]
         )
         (prompts, generation_s, trained), r = best
-        return (cap, answer, r, prompts, generation_s, trained, trained / max(prompts, 1))
+        return (cap, answer, r, prompts, generation_s, trained, trained / max(prompts, 1), trainer_threads(r))
 
     options = [
         option(cap, answer)
@@ -208,9 +218,11 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
     ]
     target, chosen, why = choices.target_epochs, None, ""
     if choices.baseline is not None:
-        base = option(*choices.baseline)
+        split = choices.baseline_split
+        base = option(*choices.baseline, split)
         if base[6] * FORECAST_ERROR >= target:
-            richer = [o for o in options if o[0] > base[0] and o[1] == base[1] and o[6] >= target * FORECAST_ERROR]
+            caps = sorted(c for c in set(choices.prompts_per_category) if c > base[0])
+            richer = [o for o in (option(c, base[1], split) for c in caps) if o[6] >= target * FORECAST_ERROR]
             chosen = max(richer, key=lambda o: o[3]) if richer else base
             why = (
                 f"more prompts than the config's {base[0]} a category: the forecast trains {chosen[6]:.1f} epochs, "
@@ -220,7 +232,7 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
                 f"({base[6]:.1f} epochs) is within its error ({FORECAST_ERROR:g}x) of {target:g} epochs"
             )
         else:  # a box too slow for the baseline: the choices below it
-            options = [o for o in options if o[0] <= base[0] and o[1] <= base[1]] or [base]
+            options = [o for o in options if o[0] <= base[0] and o[1] <= base[1]] or [option(*choices.baseline)]
             why = (
                 f"the config's {base[0]} prompts a category would train {base[6]:.1f} epochs, less than "
                 f"{target:g} / {FORECAST_ERROR:g}: "
@@ -236,8 +248,7 @@ def choose_plan(work: Workload, paces: Paces, choices: Choices = Choices()) -> B
         else:
             chosen = max(options, key=lambda o: (round(o[6], 2), -o[4]))
             why += f"no choice trains {target:g} epochs in {work.train_window_s:.0f} s: the one that trains most"
-    cap, answer, r, prompts, generation_s, trained, epochs = chosen
-    t = trainer_threads(r)
+    cap, answer, r, prompts, generation_s, trained, epochs, t = chosen
     reasons = [
         why,
         f"paces ({paces.source}): generation {paces.gen(r):.0f} tok/s at {r} thread(s), a trainer step "

@@ -29,7 +29,11 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
         ROOT / "configs" / "local.yaml", ["run_name=box", "trainer.time_budget_s=300", "box_plan.keep_paces_s=0"]
     )
     file_cfg = load_config(ROOT / "configs" / "local.yaml")
-    written = SimpleNamespace(cap=file_cfg.data.max_prompts_per_category, answer=file_cfg.sampling.max_tokens)
+    written = SimpleNamespace(
+        cap=file_cfg.data.max_prompts_per_category,
+        answer=file_cfg.sampling.max_tokens,
+        split=(file_cfg.inference.cpu_threads, file_cfg.trainer.torch_threads),
+    )
     record = plan_box(cfg, None, time.monotonic())
     assert cfg.data.max_prompts_per_category == record["prompts_per_category"] in (12, 24, 48)
     assert cfg.sampling.max_tokens == record["answer_tokens"] in (64, 96, 128)
@@ -64,7 +68,13 @@ def test_the_plan_is_probed_chosen_and_applied(smol_target):
         ),
         Paces(paces["generation_tok_s"], paces["first_step_s"], paces["later_step_s"], paces["source"]),
         # the config's own choice is the baseline (plan_box changed `cfg`: the file's values)
-        Choices((12, 24, 48), (64, 96, 128), cfg.box_plan.target_epochs, baseline=(written.cap, written.answer)),
+        Choices(
+            (12, 24, 48),
+            (64, 96, 128),
+            cfg.box_plan.target_epochs,
+            baseline=(written.cap, written.answer),
+            baseline_split=written.split,
+        ),
     )
     rounded = ("generation_s", "epochs", "reasons", "trained_samples")  # the record's window is to 0.1 s
     assert {k: record[k] for k in again.to_dict() if k not in rounded} == {

@@ -313,3 +313,17 @@ def test_prompts_left_out_by_a_revision_are_those_a_smaller_cap_would_not_keep()
     # the very prompts a run configured with that cap trains (the hash choice, its seed)
     assert [c.id for c in kept] == [c.id for c in cap_per_category(train, 4, 0)]
     assert prompts_beyond(train, 4, 1, None) != left_out  # (another seed chooses others: the seed is used)
+
+
+def test_the_configs_core_split_stands_with_its_choice():
+    # The fast box of the first test, the config's 24 a category at 128 and its split (the
+    # replica on both cores, the trainer on one beside it): the model prefers one core each
+    # (14.3 epochs) but the split stands with the baseline; by the model it trains 1167.7
+    # samples, 12.2 epochs (the first test's figures for that split)
+    plan = choose_plan(work(4, 200), FAST, Choices(target_epochs=10.0, baseline=(24, 128), baseline_split=(2, 1)))
+    assert (plan.prompts_per_category, plan.replica_threads, plan.trainer_threads) == (24, 2, 1)
+    assert plan.trained_samples == 1167 and plan.epochs == pytest.approx(12.16, abs=0.01)
+    # on a box far too slow for the baseline the model's split is weighed again (the EPYC above)
+    epyc = Paces({1: 67.0, 2: 94.0}, {1: 4.1, 2: 2.6}, {2: 1.6}, source="probe")
+    slow = choose_plan(work(12, 330), epyc, Choices(target_epochs=10.0, baseline=(24, 128), baseline_split=(2, 1)))
+    assert (slow.prompts_per_category, slow.answer_tokens, slow.replica_threads, slow.trainer_threads) == (12, 64, 1, 1)
