@@ -265,6 +265,7 @@ def plan_box(
             "then if it cannot train these often enough (cluster.box.revision)"
         )
         log.info("box_plan: %s", plan.reasons[-1])
+    after = planned_values(cfg)
     return {
         **plan.to_dict(),
         "paces": {
@@ -286,6 +287,6 @@ def plan_box(
         },
         "evaluation": evaluation,
         # (the evaluation's keys are there only where its fit changed them)
-        "replaced": {key: value for key, value in before.items() if planned_values(cfg).get(key, cfg) != value},
+        "replaced": {key: value for key, value in before.items() if after.get(key, cfg) != value},
         "kept": user_set,
     }

@@ -449,6 +449,16 @@ class SampleLedger(GenerationSide, TrainingSide):
             del self._pending[e]
             for s in STATES:
                 self._per_epoch.pop((s, e), None)
+        self._forget_dropped()
+        self.events.append({"event": "shortened", "from": self.epochs, "to": epochs, "dropped": len(dropped)})
+        self.epochs = epochs
+        self._update_pause()
+        return keys
+
+    def _forget_dropped(self) -> None:
+        """After entries left the plan (`shorten`, `drop_prompts`): the ledger order, positions
+        and index rebuilt without them (the index's queues are in ledger order), and the next
+        checkpoint whole (a delta cannot drop rows)."""
         self.order = [u for u in self.order if u in self.entries]
         reserved = [u for u, e in self.entries.items() if e.epoch == RESERVED]
         self.position = {u: i for i, u in enumerate([*self.order, *reserved])}
@@ -458,11 +468,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         self._group_counts = {}
         self._dirty &= self.entries.keys()
         self._in_flight &= self.entries.keys()
-        self._chained = False  # (a delta cannot drop rows: the next checkpoint is whole)
-        self.events.append({"event": "shortened", "from": self.epochs, "to": epochs, "dropped": len(dropped)})
-        self.epochs = epochs
-        self._update_pause()
-        return keys
+        self._chained = False
 
     def drop_prompts(self, prompt_ids: list[str]) -> list[str]:
         """Plan without these prompts (the box plan's second look, `cluster.box.revision`): each
@@ -483,16 +489,7 @@ class SampleLedger(GenerationSide, TrainingSide):
         if not dropped:
             return []
         self.dropped_prompts.update(dropped)
-        self.order = [u for u in self.order if u in self.entries]
-        reserved = [u for u, e in self.entries.items() if e.epoch == RESERVED]
-        self.position = {u: i for i, u in enumerate([*self.order, *reserved])}
-        changed = self.index.held_changed | self.index.groups() | set(self.watermarks)
-        self.index = rebuilt(self.entries.values(), self.position)  # (its queues are in ledger order)
-        self.index.held_changed |= changed
-        self._group_counts = {}
-        self._dirty &= self.entries.keys()
-        self._in_flight &= self.entries.keys()
-        self._chained = False  # (a delta cannot drop rows: the next checkpoint is whole)
+        self._forget_dropped()
         self.events.append({"event": "prompts dropped", "prompts": len(dropped), "entries": len(dropped) * self.epochs})
         self._update_pause()
         return dropped
